@@ -1,0 +1,215 @@
+#pragma once
+// The process group a job communicates over: a c10d TCPStore for rendezvous
+// and a real c10d backend (Gloo on CPU, NCCL on CUDA when LibTorch has it).
+// Every blocking wait goes through `Pending::wait`, so a failed or timed-out
+// collective becomes a CollectiveError naming the operation and the rank.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#if defined(USE_C10D_NCCL) && __has_include(<torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#define ACCEL_HAS_NCCL 1
+#endif
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "accel/comm/environment.hpp"
+#include "accel/compat/torch_compat.hpp"
+
+namespace accel::comm {
+
+/// A collective failed: a peer died, timed out, or the backend refused it.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class BackendKind { gloo, nccl };
+
+/// One in-flight collective; `wait()` turns a backend failure into a message
+/// that says which rank waited for what.
+class Pending {
+ public:
+  Pending() = default;
+  Pending(c10::intrusive_ptr<compat::Work> work, std::string what, int rank)
+      : work_(std::move(work)), what_(std::move(what)), rank_(rank) {}
+
+  bool valid() const { return static_cast<bool>(work_); }
+
+  void wait() {
+    if (!work_) return;
+    auto work = std::move(work_);
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      throw CollectiveError("accel: rank " + std::to_string(rank_) + ": " + what_ +
+                            " failed (a peer died, or it ran past the collective timeout): " + e.what());
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<compat::Work> work_;
+  std::string what_;
+  int rank_ = 0;
+};
+
+/// A process group with accel's error reporting. Default-constructed it is
+/// the one-process "group", on which every collective is the identity.
+///
+/// The connection is made once per process and shared by every Communicator
+/// (Accelerate's PartialState, torch.distributed's default group): a second
+/// Trainer in the same program reuses it instead of racing a second
+/// rendezvous on the same port. Each Communicator still has its own timeout,
+/// passed to every collective it issues.
+class Communicator {
+ public:
+  Communicator() = default;
+
+  /// Rendezvous at `info.master_addr:master_port` (rank 0 hosts the store)
+  /// and connect every rank. Fails with a message naming the rank and the
+  /// address when a peer does not arrive within `timeout`.
+  static Communicator connect(const WorldInfo& info, BackendKind kind, std::chrono::milliseconds timeout) {
+    Communicator comm;
+    comm.rank_ = info.rank;
+    comm.size_ = info.world_size;
+    comm.timeout_ = timeout;
+    if (info.world_size > 1) comm.group_ = shared_group(info, kind, timeout);
+    return comm;
+  }
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  bool distributed() const { return size_ > 1; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  compat::CollectiveBackend& backend() const { return *group_->backend; }
+
+  /// Sum across ranks, in place, asynchronously.
+  Pending all_reduce_async(at::Tensor& tensor, std::string what) {
+    if (!distributed()) return {};
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions options;
+    options.timeout = timeout_;
+    return {backend().allreduce(tensors, options), std::move(what), rank_};
+  }
+
+  void all_reduce(at::Tensor& tensor, const std::string& what) { all_reduce_async(tensor, what).wait(); }
+
+  void broadcast(at::Tensor& tensor, int root, const std::string& what) {
+    if (!distributed()) return;
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    options.timeout = timeout_;
+    Pending(backend().broadcast(tensors, options), what, rank_).wait();
+  }
+
+  /// Every rank's tensor (all the same shape), in rank order.
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor, const std::string& what) {
+    if (!distributed()) return {tensor};
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(tensor));
+    std::vector<at::Tensor> inputs{tensor.contiguous()};
+    c10d::AllgatherOptions options;
+    options.timeout = timeout_;
+    Pending(backend().allgather(outputs, inputs, options), what, rank_).wait();
+    return outputs[0];
+  }
+
+  void barrier(const std::string& what = "barrier (wait_for_everyone)") {
+    if (!distributed()) return;
+    c10d::BarrierOptions options;
+    options.timeout = timeout_;
+    Pending(backend().barrier(options), what, rank_).wait();
+  }
+
+ private:
+  struct Group {
+    WorldInfo world;
+    BackendKind kind;
+    c10::intrusive_ptr<c10d::Store> store;
+    c10::intrusive_ptr<compat::CollectiveBackend> backend;
+  };
+
+  static std::shared_ptr<Group> shared_group(const WorldInfo& info, BackendKind kind,
+                                             std::chrono::milliseconds timeout) {
+    static std::mutex mutex;
+    static std::vector<std::shared_ptr<Group>> groups;
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& g : groups)
+      if (g->kind == kind && g->world.rank == info.rank && g->world.world_size == info.world_size &&
+          g->world.master_addr == info.master_addr && g->world.master_port == info.master_port)
+        return g;
+    auto group = std::make_shared<Group>();
+    group->world = info;
+    group->kind = kind;
+    const std::string where = info.master_addr + ":" + std::to_string(info.master_port);
+    try {
+      c10d::TCPStoreOptions options;
+      options.port = static_cast<std::uint16_t>(info.master_port);
+      options.isServer = info.rank == 0;
+      options.numWorkers = static_cast<std::size_t>(info.world_size);
+      options.waitWorkers = true;
+      options.timeout = timeout;
+      group->store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, options);
+    } catch (const std::exception& e) {
+      throw CollectiveError("accel: rank " + std::to_string(info.rank) + ": rendezvous at " + where +
+                            " failed (is MASTER_ADDR/MASTER_PORT right, the port free, every rank started?): " +
+                            e.what());
+    }
+    group->backend = make_backend(kind, c10::make_intrusive<c10d::PrefixStore>("accel/world", group->store),
+                                  info.rank, info.world_size, info.master_addr, timeout);
+    groups.push_back(group);
+    return group;
+  }
+
+  static c10::intrusive_ptr<compat::CollectiveBackend> make_backend(BackendKind kind,
+                                                                    c10::intrusive_ptr<c10d::Store> store, int rank,
+                                                                    int size, const std::string& master_addr,
+                                                                    std::chrono::milliseconds timeout) {
+    try {
+      if (kind == BackendKind::nccl) {
+#ifdef ACCEL_HAS_NCCL
+        auto options = c10d::ProcessGroupNCCL::Options::create();
+        options->timeout = timeout;
+        return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#else
+        throw CollectiveError("accel: this LibTorch was built without NCCL; use accel::CPU (Gloo) or a CUDA LibTorch");
+#endif
+      }
+      auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+      options->devices.push_back(gloo_device(master_addr));
+      return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+    } catch (const CollectiveError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CollectiveError("accel: rank " + std::to_string(rank) + ": connecting the " +
+                            (kind == BackendKind::nccl ? "NCCL" : "Gloo") + " process group of " +
+                            std::to_string(size) + " ranks failed: " + e.what());
+    }
+  }
+
+  // GLOO_SOCKET_IFNAME as in PyTorch; a loopback master means a one-machine
+  // job, which must not depend on how this host's name resolves.
+  static std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+      return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+    if (master_addr == "127.0.0.1" || master_addr == "localhost" || master_addr == "::1")
+      return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+    return c10d::ProcessGroupGloo::createDefaultDevice();
+  }
+
+  int rank_ = 0;
+  int size_ = 1;
+  std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
+  std::shared_ptr<Group> group_;
+};
+
+}  // namespace accel::comm

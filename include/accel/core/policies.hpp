@@ -1,0 +1,74 @@
+#pragma once
+// The policy tags a user puts in `accel::Trainer<Strategy, Precision, Device>`.
+// Each is a small aggregate carrying its settings, so a user can write
+// `Trainer<DDP> t{DDP{.bucket_cap_mb = 50}}`. No LibTorch here: this header
+// compiles in well under a second.
+
+#include <cstdint>
+
+#include "accel/core/fwd.hpp"
+
+namespace accel {
+
+// ---------------------------------------------------------------- strategies
+
+/// One process, no communication: the hand-written LibTorch loop.
+struct SingleProcess {
+  template <class Precision, class Device>
+  using engine = strategy::SingleProcessEngine<Precision, Device>;
+  static constexpr bool distributed = false;
+};
+
+/// Data parallel: every rank holds the whole model; gradients are averaged
+/// with bucketed all-reduces that overlap backward (PyTorch's Reducer).
+///   accel::Trainer<accel::DDP> t{accel::DDP{.bucket_cap_mb = 50}};
+struct DDP {
+  double bucket_cap_mb = 25.0;       ///< cap of every bucket after the first
+  double first_bucket_cap_mb = 1.0;  ///< small first bucket: communication starts early
+  /// Parameters that get no gradient in a step are found by walking the
+  /// autograd graph from the loss (as PyTorch does); without it such a
+  /// parameter is an error that names it.
+  bool find_unused_parameters = false;
+  /// The set of used parameters never changes: walk the graph once, on the
+  /// first step, and reuse the answer.
+  bool static_graph = false;
+
+  template <class Precision, class Device>
+  using engine = strategy::DDPEngine<Precision, Device>;
+  static constexpr bool distributed = true;
+};
+
+// ---------------------------------------------------------------- precision
+
+/// Full precision: no autocast, no loss scaling.
+struct FP32 {
+  static constexpr const char* name = "no";  // Accelerate's `mixed_precision` value
+};
+
+/// bfloat16 autocast for the forward; fp32 master weights and optimizer state.
+struct BF16 {
+  static constexpr const char* name = "bf16";
+};
+
+/// float16 autocast with dynamic loss scaling (PyTorch GradScaler's defaults).
+struct FP16 {
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  std::int64_t growth_interval = 2000;
+  static constexpr const char* name = "fp16";
+};
+
+// ---------------------------------------------------------------- devices
+
+/// Host memory and CPU kernels; Gloo for collectives.
+struct CPU {
+  static constexpr const char* name = "cpu";
+};
+
+/// The rank's local GPU (`LOCAL_RANK`); NCCL for collectives.
+struct CUDA {
+  static constexpr const char* name = "cuda";
+};
+
+}  // namespace accel

@@ -1,0 +1,100 @@
+#pragma once
+// The loader `Trainer::prepare(dataset, options)` returns: this rank's shard
+// of the dataset, in batches, moved to the trainer's device. It reports the
+// batch it is on to the trainer (`LoaderCursor`), which is how
+// gather_for_metrics knows which gathered rows are padding.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <iterator>
+#include <memory>
+
+#include "accel/data/dataset.hpp"
+#include "accel/data/sampler.hpp"
+
+namespace accel::data {
+
+struct LoaderOptions {
+  std::int64_t batch_size = 1;
+  bool shuffle = false;
+  std::uint64_t seed = 0;  ///< the shuffle seed, shared by all ranks
+  bool drop_last = false;  ///< drop a final batch smaller than batch_size
+};
+
+/// Where the most recently served batch sits: shared between a loader and
+/// its trainer.
+struct LoaderCursor {
+  const DistributedSampler* sampler = nullptr;
+  std::int64_t epoch = 0;
+  std::int64_t batch = -1;     ///< index within the epoch
+  std::int64_t first = 0;      ///< first local position of the batch
+  std::int64_t count = 0;      ///< samples in the batch on every rank
+};
+
+template <batched_dataset Dataset>
+class DataLoader {
+ public:
+  DataLoader(Dataset dataset, LoaderOptions options, int world_size, int rank, at::Device device,
+             std::shared_ptr<LoaderCursor> cursor)
+      : dataset_(std::move(dataset)),
+        options_(options),
+        sampler_(std::make_unique<DistributedSampler>(
+            dataset_.size(), world_size, rank, SamplerOptions{options.shuffle, options.seed, false})),
+        device_(device),
+        cursor_(std::move(cursor)) {
+    if (options.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
+  }
+
+  /// Reshuffle for `epoch` (same permutation on every rank).
+  void set_epoch(std::int64_t epoch) { sampler_->set_epoch(epoch); }
+  std::int64_t epoch() const { return sampler_->epoch(); }
+
+  /// Batches per epoch on this rank (the same on every rank).
+  std::int64_t size() const {
+    const auto n = sampler_->per_rank();
+    return options_.drop_last ? n / options_.batch_size : (n + options_.batch_size - 1) / options_.batch_size;
+  }
+  const DistributedSampler& sampler() const { return *sampler_; }
+
+  class iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    iterator() = default;
+    iterator(DataLoader* loader, at::Tensor indices, std::int64_t batch) : loader_(loader), indices_(std::move(indices)), batch_(batch) {}
+    Batch operator*() const { return loader_->load(indices_, batch_); }
+    iterator& operator++() { ++batch_; return *this; }
+    void operator++(int) { ++batch_; }
+    bool operator==(const iterator& other) const { return batch_ == other.batch_; }
+
+   private:
+    DataLoader* loader_ = nullptr;
+    at::Tensor indices_;
+    std::int64_t batch_ = 0;
+  };
+
+  iterator begin() { return iterator(this, sampler_->indices(), 0); }
+  iterator end() { return iterator(this, {}, size()); }
+
+ private:
+  Batch load(const at::Tensor& indices, std::int64_t batch) {
+    const std::int64_t first = batch * options_.batch_size;
+    const std::int64_t count = std::min(options_.batch_size, indices.size(0) - first);
+    *cursor_ = LoaderCursor{sampler_.get(), sampler_->epoch(), batch, first, count};
+    Batch b = dataset_.get(indices.slice(0, first, first + count));
+    if (b.data.device() != device_) {
+      b.data = b.data.to(device_);
+      b.target = b.target.to(device_);
+    }
+    return b;
+  }
+
+  Dataset dataset_;
+  LoaderOptions options_;
+  std::unique_ptr<DistributedSampler> sampler_;  // stable address: the cursor points at it
+  at::Device device_;
+  std::shared_ptr<LoaderCursor> cursor_;
+};
+
+}  // namespace accel::data

@@ -1,0 +1,4 @@
+// A plain type in the Device slot.
+// expect-error: third Trainer parameter must be a device policy
+#include <accel/trainer.hpp>
+accel::Trainer<accel::SingleProcess, accel::FP32, int> trainer;

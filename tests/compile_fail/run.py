@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""Compile-fail tests: every snippet with an `// expect-error: REGEX` line must
+fail to compile with a diagnostic matching REGEX; every `// expect-pass`
+snippet (the twins) must compile, so a broken harness cannot pass."""
+import argparse, pathlib, re, subprocess, sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument('--compiler', nargs='+', required=True)
+parser.add_argument('--flags', nargs='*', default=[])
+parser.add_argument('--snippets', required=True)
+args = parser.parse_args()
+
+failures, checked = [], 0
+for snippet in sorted(pathlib.Path(args.snippets).glob('*.cpp')):
+    text = snippet.read_text()
+    expect = re.search(r'^// expect-error: (.+)$', text, re.M)
+    expect_pass = re.search(r'^// expect-pass$', text, re.M)
+    if not expect and not expect_pass:
+        failures.append(f'{snippet.name}: has neither "// expect-error:" nor "// expect-pass"')
+        continue
+    result = subprocess.run(args.compiler + args.flags + [str(snippet)], capture_output=True, text=True)
+    checked += 1
+    if expect_pass:
+        ok = result.returncode == 0
+        detail = result.stderr[-2000:]
+    else:
+        ok = result.returncode != 0 and re.search(expect.group(1), result.stderr) is not None
+        detail = f'expected an error matching {expect.group(1)!r}, got exit {result.returncode}:\n{result.stderr[-2000:]}'
+    print(f'{"ok  " if ok else "FAIL"} {snippet.name}')
+    if not ok:
+        failures.append(f'{snippet.name}: {detail}')
+
+for f in failures:
+    print(f, file=sys.stderr)
+print(f'{checked - len(failures)} passed, {len(failures)} failed')
+sys.exit(1 if failures or checked == 0 else 0)

@@ -1,0 +1,6 @@
+// The passing twin of the step_* snippets: a no-argument lambda returning a tensor.
+// expect-pass
+#include <accel/trainer.hpp>
+void train(accel::Trainer<>& trainer, const at::Tensor& x) {
+  trainer.step([&] { return x.sum(); });
+}

@@ -1,0 +1,7 @@
+// A step function that expects the batch as a parameter.
+// expect-error: step function must take no arguments
+#include <accel/trainer.hpp>
+void train(accel::Trainer<>& trainer, const at::Tensor& x) {
+  trainer.step([](const at::Tensor& batch) { return batch.sum(); });
+  (void)x;
+}

@@ -1,0 +1,5 @@
+// A type that is not a strategy policy in the Strategy slot.
+// expect-error: first Trainer parameter must be a strategy policy
+#include <accel/trainer.hpp>
+struct NotAPolicy {};
+accel::Trainer<NotAPolicy> trainer;

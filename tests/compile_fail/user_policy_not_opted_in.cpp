@@ -1,0 +1,9 @@
+// A user-written strategy that has the right shape but did not opt in.
+// expect-error: specialise accel::enable_strategy_policy
+#include <accel/trainer.hpp>
+struct MyStrategy {
+  template <class P, class D>
+  using engine = accel::strategy::SingleProcessEngine<P, D>;
+  static constexpr bool distributed = false;
+};
+accel::Trainer<MyStrategy> trainer;

@@ -1,0 +1,12 @@
+// The passing twin: the same user strategy, opted in.
+// expect-pass
+#include <accel/trainer.hpp>
+struct MyStrategy {
+  template <class P, class D>
+  using engine = accel::strategy::SingleProcessEngine<P, D>;
+  static constexpr bool distributed = false;
+};
+template <>
+inline constexpr bool accel::enable_strategy_policy<MyStrategy> = true;
+static_assert(accel::strategy_policy<MyStrategy>);
+void build() { accel::Trainer<MyStrategy> trainer; }

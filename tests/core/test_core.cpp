@@ -1,0 +1,188 @@
+// The torch-free core: policies and concepts (checked at compile time),
+// reading the job layout from launcher variables, the process supervisor.
+// This binary has no LibTorch on its include path.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <map>
+#include <thread>
+
+#include "accel/comm/environment.hpp"
+#include "accel/core/concepts.hpp"
+#include "accel/core/rules.hpp"
+#include "accel/launch/spawn.hpp"
+
+namespace {
+
+// ---- concepts: static checks (Kokkos TestConcepts style)
+static_assert(accel::strategy_policy<accel::SingleProcess>);
+static_assert(accel::strategy_policy<accel::DDP>);
+static_assert(!accel::strategy_policy<int>);
+static_assert(accel::precision_policy<accel::FP32> && accel::precision_policy<accel::BF16> &&
+              accel::precision_policy<accel::FP16>);
+static_assert(!accel::precision_policy<float>);
+static_assert(accel::device_policy<accel::CPU> && accel::device_policy<accel::CUDA>);
+static_assert(!accel::device_policy<accel::FP32>);
+static_assert(!accel::step_function<float (*)()>);
+static_assert(!accel::step_function<int>);
+
+// Settings are aggregates with designated initialisers and sensible defaults.
+static_assert(accel::DDP{}.bucket_cap_mb == 25.0 && accel::DDP{}.first_bucket_cap_mb == 1.0);
+static_assert(accel::DDP{.bucket_cap_mb = 50}.bucket_cap_mb == 50.0);
+static_assert(accel::FP16{}.init_scale == 65536.0 && accel::FP16{}.growth_interval == 2000);
+
+// A user-defined strategy opts in and is then accepted (mdspan's custom
+// layout test); the same shape without the opt-in is refused.
+struct UserStrategy {
+  template <class P, class D>
+  using engine = accel::strategy::SingleProcessEngine<P, D>;
+  static constexpr bool distributed = false;
+};
+struct NotOptedIn : UserStrategy {};
+static_assert(!accel::strategy_policy<NotOptedIn>);
+
+}  // namespace
+
+template <>
+inline constexpr bool accel::enable_strategy_policy<UserStrategy> = true;
+static_assert(accel::strategy_policy<UserStrategy>);
+static_assert(accel::detail::check_policies<UserStrategy, accel::BF16, accel::CPU>::value);
+
+// ---- the environment
+namespace {
+using Vars = std::map<std::string, std::string>;
+
+accel::comm::WorldInfo read(const Vars& vars) {
+  return accel::comm::world_from_environment([&](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+std::string error_of(const Vars& vars) {
+  try {
+    read(vars);
+  } catch (const accel::comm::EnvironmentError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+}  // namespace
+
+TEST_SUITE("environment") {
+  TEST_CASE("no launcher variables: one process") {
+    auto w = read({});
+    CHECK(w.rank == 0);
+    CHECK(w.world_size == 1);
+    CHECK(w.launcher == "none");
+  }
+
+  TEST_CASE("torchrun's variables") {
+    auto w = read({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29600"}});
+    CHECK(w.rank == 3);
+    CHECK(w.world_size == 4);
+    CHECK(w.local_rank == 1);
+    CHECK(w.local_world_size == 2);
+    CHECK(w.master_addr == "10.1.2.3");
+    CHECK(w.master_port == 29600);
+    CHECK(w.launcher == "torchrun");
+  }
+
+  TEST_CASE("Open MPI's variables") {
+    auto w = read({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                   {"MASTER_ADDR", "node0"}});
+    CHECK(w.launcher == "openmpi");
+    CHECK(w.rank == 1);
+    CHECK(w.world_size == 2);
+    CHECK(w.master_port == 29500);
+  }
+
+  TEST_CASE("SLURM's variables, with SLURM_NTASKS_PER_NODE in its compressed form") {
+    auto w = read({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "1"},
+                   {"SLURM_NTASKS_PER_NODE", "2(x3)"}, {"MASTER_ADDR", "node0"}});
+    CHECK(w.launcher == "slurm");
+    CHECK(w.rank == 5);
+    CHECK(w.world_size == 6);
+    CHECK(w.local_rank == 1);
+  }
+
+  TEST_CASE("torchrun inside a one-task SLURM allocation is not a contradiction") {
+    auto w = read({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1234"},
+                   {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}});
+    CHECK(w.launcher == "torchrun");
+    CHECK(w.rank == 1);
+  }
+
+  TEST_CASE("incomplete, malformed and contradictory variables name the variable") {
+    CHECK(error_of({{"RANK", "0"}}).find("RANK is set but WORLD_SIZE is not") != std::string::npos);
+    CHECK(error_of({{"WORLD_SIZE", "2"}}).find("WORLD_SIZE is set but RANK is not") != std::string::npos);
+    CHECK(error_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}}).find("RANK='x' is not an integer") != std::string::npos);
+    CHECK(error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})
+              .find("RANK=2 is not below WORLD_SIZE=2") != std::string::npos);
+    CHECK(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}).find("MASTER_ADDR is not set") !=
+          std::string::npos);
+    CHECK(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}).find("MASTER_PORT is not set") !=
+          std::string::npos);
+    CHECK(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}})
+              .find("MASTER_PORT=70000 is not a TCP port") != std::string::npos);
+    CHECK(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"},
+                    {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})
+              .find("LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2") != std::string::npos);
+    CHECK(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"},
+                    {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}})
+              .find("contradictory launcher variables: RANK=0 but OMPI_COMM_WORLD_RANK=1") != std::string::npos);
+  }
+}
+
+// ---- the in-process launcher and its supervisor
+TEST_SUITE("spawn") {
+  TEST_CASE("every rank runs with torchrun's variables") {
+    accel::spawn(3, [](int rank) {
+      auto w = accel::comm::world_from_environment();
+      if (w.rank != rank || w.world_size != 3 || w.local_rank != rank || w.master_addr != "127.0.0.1")
+        throw std::runtime_error("wrong environment");
+    });
+  }
+
+  TEST_CASE("a failing rank is named and the others are terminated quickly") {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      accel::spawn(2, [](int rank) {
+        if (rank == 1) throw std::runtime_error("boom");
+        std::this_thread::sleep_for(std::chrono::seconds(60));
+      });
+      FAIL("spawn did not report the failure");
+    } catch (const accel::SpawnError& e) {
+      CHECK(std::string(e.what()).find("rank 1") != std::string::npos);
+      CHECK(std::string(e.what()).find("exited with status 1") != std::string::npos);
+    }
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  }
+
+  TEST_CASE("a rank killed by a signal is named with the signal") {
+    try {
+      accel::spawn(2, [](int rank) {
+        if (rank == 0) ::raise(SIGKILL);
+        std::this_thread::sleep_for(std::chrono::seconds(60));
+      });
+      FAIL("spawn did not report the failure");
+    } catch (const accel::SpawnError& e) {
+      CHECK(std::string(e.what()).find("rank 0") != std::string::npos);
+      CHECK(std::string(e.what()).find("signal 9") != std::string::npos);
+    }
+  }
+
+  TEST_CASE("a hang is a failure: the timeout kills every rank") {
+    const auto start = std::chrono::steady_clock::now();
+    accel::SpawnOptions options;
+    options.timeout = std::chrono::milliseconds(1500);
+    CHECK_THROWS_WITH_AS(
+        accel::spawn(2, [](int) { std::this_thread::sleep_for(std::chrono::seconds(60)); }, options),
+        doctest::Contains("did not finish within its timeout"), accel::SpawnError);
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  }
+}

@@ -1,0 +1,329 @@
+// DDP on real processes and real Gloo process groups (accel::spawn forks the
+// ranks on loopback). Every spawn has a timeout: a hang fails the test.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/sort.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <thread>
+
+#include "doctest_torch.hpp"
+
+using namespace accel::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+accel::SpawnOptions bounded(std::chrono::seconds timeout = 90s) {
+  accel::SpawnOptions options;
+  options.timeout = timeout;
+  return options;
+}
+
+std::string temp_path(const std::string& name) {
+  return "/tmp/accel_test_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Trains `steps` SGD-with-momentum steps on a plain single process with the
+// global batch: the reference every DDP run must match.
+torch::nn::Sequential single_process_reference(int steps, std::int64_t global) {
+  auto net = tiny_mlp(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < steps; ++step) {
+    auto batch = global_batch(step, global);
+    opt.zero_grad();
+    loss_of(net, batch.x, batch.y).backward();
+    opt.step();
+  }
+  return net;
+}
+
+}  // namespace
+
+TEST_SUITE("ddp") {
+  TEST_CASE("equivalence: 2 and 3 ranks with batch b equal one process on the global batch") {
+    // Tolerance 1e-5 (fp32): the reductions sum in a different order than
+    // the single process's matmul does, so bits may differ, values must not.
+    for (int world : {2, 3}) {
+      CAPTURE(world);
+      accel::spawn(
+          world,
+          [world](int rank) {
+            const std::int64_t per_rank = 6, steps = 5;
+            // Several small buckets, so bucketing and launch order are exercised.
+            accel::Trainer<accel::DDP> trainer(accel::DDP{.bucket_cap_mb = 0.0005, .first_bucket_cap_mb = 0.0002});
+            auto net = tiny_mlp(rank == 0 ? 0 : 99);  // other ranks start elsewhere: prepare broadcasts rank 0's
+            torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+            trainer.prepare(net, opt);
+            require(trainer.strategy_engine().bucket_count() > 2, "several buckets");
+            for (int step = 0; step < steps; ++step) {
+              auto batch = global_batch(step, per_rank * world);
+              auto x = batch.x.narrow(0, rank * per_rank, per_rank), y = batch.y.narrow(0, rank * per_rank, per_rank);
+              trainer.step([&] { return loss_of(net, x, y); });
+            }
+            auto reference = single_process_reference(steps, per_rank * world);
+            const double diff = max_param_diff(*net, *reference);
+            require(diff < 1e-5, "max |DDP - single process| = " + std::to_string(diff));
+          },
+          bounded());
+    }
+  }
+
+  TEST_CASE("overlap: the first bucket's all-reduce is issued before backward has finished") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          accel::Trainer<accel::DDP> trainer(accel::DDP{.bucket_cap_mb = 0.001, .first_bucket_cap_mb = 0.001});
+          auto net = tiny_mlp(0, 8, 32, 4, 4);
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+          trainer.prepare(net, opt);
+          auto& engine = trainer.strategy_engine();
+          require(engine.bucket_count() >= 3, "at least 3 buckets");
+          // Bucket 0 holds the last layer: reverse registration order.
+          require(engine.bucket_parameters(0).front().rfind("8.", 0) == 0,
+                  "bucket 0 starts with the last layer, got " + engine.bucket_parameters(0).front());
+          engine.record_events(true);
+          auto batch = global_batch(0, 8);
+          trainer.backward(loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4)));
+          const auto& events = engine.events();
+          std::size_t first_launch = events.size(), last_ready = 0, launches = 0;
+          for (std::size_t i = 0; i < events.size(); ++i) {
+            if (events[i].kind == accel::strategy::DDPEvent::bucket_launched) {
+              first_launch = std::min(first_launch, i);
+              require(events[i].index == launches++, "buckets launch in bucket order");
+            } else {
+              last_ready = i;
+            }
+          }
+          require(launches == engine.bucket_count(), "every bucket launched during backward");
+          require(first_launch < last_ready, "bucket 0 was launched before the last gradient was ready");
+          trainer.optimizer_step();
+        },
+        bounded());
+  }
+
+  TEST_CASE("gather_for_metrics counts every sample exactly once when the dataset does not divide") {
+    for (int world : {2, 3}) {
+      CAPTURE(world);
+      accel::spawn(
+          world,
+          [](int) {
+            accel::Trainer<accel::DDP> trainer;
+            const std::int64_t n = 11;
+            auto loader = trainer.prepare(
+                accel::data::TensorDataset(at::arange(n).unsqueeze(1).to(at::kFloat), at::arange(n)),
+                {.batch_size = 2, .shuffle = true, .seed = 3});
+            std::vector<at::Tensor> gathered;
+            std::int64_t plain = 0;
+            for (auto batch : loader) {
+              gathered.push_back(trainer.gather_for_metrics(batch.target));
+              plain += trainer.gather(batch.target).size(0);
+            }
+            auto all = std::get<0>(at::cat(gathered).sort());
+            require(all.equal(at::arange(n)), "each of the 11 samples exactly once");
+            require(plain >= n, "gather keeps the padding");
+          },
+          bounded());
+    }
+  }
+
+  TEST_CASE("gather, reduce and wait_for_everyone across ranks") {
+    accel::spawn(
+        3,
+        [](int rank) {
+          accel::Trainer<accel::DDP> trainer;
+          auto mine = at::ones({2}) * rank;
+          require(trainer.gather(mine).equal(at::cat({at::ones({2}) * 0, at::ones({2}) * 1, at::ones({2}) * 2})),
+                  "gather concatenates in rank order");
+          require(trainer.reduce(mine).equal(at::ones({2}) * 3), "reduce sums");
+          require(trainer.reduce(mine, "mean").equal(at::ones({2})), "reduce averages");
+          trainer.wait_for_everyone();
+        },
+        bounded());
+  }
+
+  TEST_CASE("unused parameters: an error that names them, or find_unused_parameters") {
+    // A model whose second head is unused by the loss.
+    struct TwoHeads : torch::nn::Module {
+      TwoHeads() {
+        at::manual_seed(0);
+        body = register_module("body", torch::nn::Linear(8, 8));
+        used = register_module("used", torch::nn::Linear(8, 4));
+        unused = register_module("unused", torch::nn::Linear(8, 4));
+      }
+      torch::nn::Linear body{nullptr}, used{nullptr}, unused{nullptr};
+    };
+    accel::spawn(
+        2,
+        [](int rank) {
+          for (bool find_unused : {false, true}) {
+            for (bool static_graph : {false, true}) {
+              if (!find_unused && static_graph) continue;
+              auto model = std::make_shared<TwoHeads>();
+              torch::nn::ModuleHolder<TwoHeads> net(model);
+              torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+              accel::Trainer<accel::DDP> trainer(
+                  accel::DDP{.find_unused_parameters = find_unused, .static_graph = static_graph});
+              trainer.prepare(net, opt);
+              for (int step = 0; step < 2; ++step) {
+                auto batch = global_batch(step, 8);
+                auto x = batch.x.narrow(0, rank * 4, 4), y = batch.y.narrow(0, rank * 4, 4);
+                auto forward = [&] {
+                  return torch::nn::functional::cross_entropy(model->used(model->body(x).tanh()), y);
+                };
+                if (find_unused) {
+                  trainer.step(forward);
+                } else {
+                  try {
+                    trainer.step(forward);
+                    require(false, "a parameter without gradient must be an error");
+                  } catch (const std::runtime_error& e) {
+                    require(std::string(e.what()).find("'unused.weight'") != std::string::npos ||
+                                std::string(e.what()).find("'unused.bias'") != std::string::npos,
+                            std::string("the error names the parameter: ") + e.what());
+                    require(std::string(e.what()).find("find_unused_parameters") != std::string::npos,
+                            "the error names the fix");
+                    break;
+                  }
+                }
+              }
+              if (find_unused) require(model->unused->weight.grad().abs().sum().item<double>() == 0.0,
+                                       "unused gradients are zero");
+            }
+          }
+        },
+        bounded());
+  }
+
+  TEST_CASE("ranks with different models fail at prepare, naming the rank") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          accel::Trainer<accel::DDP> trainer;
+          auto net = tiny_mlp(0, 8, rank == 0 ? 16 : 12);
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+          try {
+            trainer.prepare(net, opt);
+            require(false, "prepare must refuse different models");
+          } catch (const std::runtime_error& e) {
+            require(std::string(e.what()).find("rank 1's model") != std::string::npos, e.what());
+          }
+        },
+        bounded());
+  }
+
+  TEST_CASE("a rank killed in the middle of a collective: the others fail within the timeout") {
+    const std::string result = temp_path("killed");
+    auto options = bounded(60s);
+    options.stop_on_failure = false;  // watch the survivor fail by itself
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(accel::spawn(
+                        2,
+                        [&](int rank) {
+                          accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.timeout = 5s});
+                          auto net = tiny_mlp(0);
+                          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+                          trainer.prepare(net, opt);
+                          trainer.wait_for_everyone();
+                          if (rank == 1) {
+                            std::this_thread::sleep_for(300ms);  // rank 0 is inside the all-reduce by now
+                            ::raise(SIGKILL);
+                          }
+                          const auto t0 = std::chrono::steady_clock::now();
+                          try {
+                            auto batch = global_batch(0, 4);
+                            trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+                            std::ofstream(result) << "no error";
+                          } catch (const accel::comm::CollectiveError& e) {
+                            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+                            std::ofstream(result) << "seconds=" << s << " " << e.what();
+                          }
+                        },
+                        options),
+                    accel::SpawnError);
+    const std::string text = read_file(result);
+    ::unlink(result.c_str());
+    INFO(text);
+    CHECK(text.find("rank 0") != std::string::npos);
+    CHECK(text.find("all-reduce of DDP gradient bucket") != std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - start < 30s);
+  }
+
+  TEST_CASE("a rank that never joins a collective: the other fails after the configured timeout") {
+    const std::string result = temp_path("hang");
+    auto options = bounded(60s);
+    options.stop_on_failure = false;
+    accel::spawn(
+        2,
+        [&](int rank) {
+          accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.timeout = 2s});
+          if (rank == 1) {
+            std::this_thread::sleep_for(8s);  // never reaches the barrier in time
+            return;
+          }
+          const auto t0 = std::chrono::steady_clock::now();
+          try {
+            trainer.wait_for_everyone();
+            std::ofstream(result) << "no error";
+          } catch (const accel::comm::CollectiveError& e) {
+            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            std::ofstream(result) << "seconds=" << s << " " << e.what();
+          }
+        },
+        options);
+    const std::string text = read_file(result);
+    ::unlink(result.c_str());
+    INFO(text);
+    REQUIRE(text.rfind("seconds=", 0) == 0);
+    const double seconds = std::stod(text.substr(8));
+    CHECK(seconds >= 1.5);
+    CHECK(seconds < 6.0);
+    CHECK(text.find("rank 0: barrier") != std::string::npos);
+  }
+
+  TEST_CASE("DDP + BF16 on 2 ranks matches the single-process BF16 run") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          const std::int64_t per_rank = 8, steps = 5;
+          accel::Trainer<accel::DDP, accel::BF16> trainer;
+          auto net = tiny_mlp(0);
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+          trainer.prepare(net, opt);
+          // The reference: one process, the whole batch, the same bf16 autocast.
+          auto reference = tiny_mlp(0);
+          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+          for (int step = 0; step < steps; ++step) {
+            auto batch = global_batch(step, 2 * per_rank);
+            trainer.step([&] {
+              return loss_of(net, batch.x.narrow(0, rank * per_rank, per_rank),
+                             batch.y.narrow(0, rank * per_rank, per_rank));
+            });
+            at::Tensor loss;
+            {
+              auto scope = trainer.autocast();
+              loss = loss_of(reference, batch.x, batch.y);
+            }
+            ref_opt.zero_grad();
+            loss.backward();
+            ref_opt.step();
+          }
+          // Tolerance 2e-2: bf16 matmuls round to 8 mantissa bits, and the two
+          // runs sum the batch in different groupings.
+          const double diff = max_param_diff(*net, *reference);
+          require(diff < 2e-2, "max |DDP bf16 - single bf16| = " + std::to_string(diff));
+        },
+        bounded());
+  }
+}
