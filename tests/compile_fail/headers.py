@@ -2,11 +2,19 @@
 """Header self-containment: each header, included alone first in a TU, compiles."""
 import argparse, subprocess, sys, tempfile, os
 
-parser = argparse.ArgumentParser()
-parser.add_argument('--compiler', nargs='+', required=True)
-parser.add_argument('--flags', nargs='*', default=[])
-parser.add_argument('--headers', nargs='+', required=True)
-args = parser.parse_args()
+def parse(argv, markers=('--compiler', '--flags', '--headers')):
+    """Sections introduced by markers; values may start with '-' (compiler flags)."""
+    sections, current = {m: [] for m in markers}, None
+    for arg in argv:
+        if arg in markers:
+            current = arg
+        elif current is None:
+            sys.exit(f'unexpected argument {arg!r}')
+        else:
+            sections[current].append(arg)
+    return argparse.Namespace(**{m.lstrip('-'): v for m, v in sections.items()})
+
+args = parse(sys.argv[1:])
 
 failed = 0
 for header in args.headers:

@@ -4,14 +4,22 @@ fail to compile with a diagnostic matching REGEX; every `// expect-pass`
 snippet (the twins) must compile, so a broken harness cannot pass."""
 import argparse, pathlib, re, subprocess, sys
 
-parser = argparse.ArgumentParser()
-parser.add_argument('--compiler', nargs='+', required=True)
-parser.add_argument('--flags', nargs='*', default=[])
-parser.add_argument('--snippets', required=True)
-args = parser.parse_args()
+def parse(argv, markers=('--compiler', '--flags', '--snippets')):
+    """Sections introduced by markers; values may start with '-' (compiler flags)."""
+    sections, current = {m: [] for m in markers}, None
+    for arg in argv:
+        if arg in markers:
+            current = arg
+        elif current is None:
+            sys.exit(f'unexpected argument {arg!r}')
+        else:
+            sections[current].append(arg)
+    return argparse.Namespace(**{m.lstrip('-'): v for m, v in sections.items()})
+
+args = parse(sys.argv[1:])
 
 failures, checked = [], 0
-for snippet in sorted(pathlib.Path(args.snippets).glob('*.cpp')):
+for snippet in sorted(pathlib.Path(args.snippets[0]).glob('*.cpp')):
     text = snippet.read_text()
     expect = re.search(r'^// expect-error: (.+)$', text, re.M)
     expect_pass = re.search(r'^// expect-pass$', text, re.M)

@@ -17,7 +17,8 @@ class SingleProcessEngine {
  public:
   using settings_type = SingleProcess;
 
-  SingleProcessEngine(const SingleProcess&, comm::Communicator&) {}
+  template <class Settings>
+  SingleProcessEngine(const Settings&, comm::Communicator&) {}
 
   void prepare_model(torch::nn::Module&) {}
   void before_backward(const at::Tensor&) {}

@@ -1,0 +1,581 @@
+// Tests of the real `accel` binary (path in $ACCEL_EXE): it is run as a child
+// process, with rank programs written as `sh -c` scripts, so what is checked
+// is exactly what a user sees: variables, output prefixes, exit statuses,
+// messages, and that no rank process outlives a failed job.
+
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+std::string accel_exe() {
+  const char* exe = std::getenv("ACCEL_EXE");
+  REQUIRE_MESSAGE(exe != nullptr, "set ACCEL_EXE to the accel binary (meson test does)");
+  return exe;
+}
+
+/// A fresh folder per test, removed afterwards; also the HF_HOME the child sees,
+/// so a default config on this machine never leaks into a test.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "accel-cli-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+  std::string hf_home() const { return (path / "hf").string(); }
+};
+
+void write_file(const std::string& path, const std::string& text) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::ofstream(path) << text;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+struct Result {
+  bool exited = false;
+  int status = -1;  ///< exit status, or the signal number when !exited
+  std::string out, err;
+  double seconds = 0;
+};
+
+std::ostream& operator<<(std::ostream& os, const Result& r) {
+  return os << (r.exited ? "exit " : "signal ") << r.status << " after " << r.seconds << " s\n--- stdout\n"
+            << r.out << "--- stderr\n"
+            << r.err;
+}
+
+/// A running `accel` child; `finish` collects its output and status.
+struct Running {
+  pid_t pid = -1;
+  int out_fd = -1, err_fd = -1;
+  Clock::time_point started;
+};
+
+Running start_accel(const std::vector<std::string>& args, const std::string& hf_home,
+                    const std::map<std::string, std::string>& extra_env = {}) {
+  // The child's environment: ours without launcher variables that would
+  // change what is tested, plus a private HF_HOME.
+  std::vector<std::string> env;
+  for (char** entry = environ; *entry; ++entry) {
+    std::string text(*entry);
+    std::string name = text.substr(0, text.find('='));
+    static const char* dropped[] = {"RANK",        "WORLD_SIZE",  "LOCAL_RANK",      "LOCAL_WORLD_SIZE",
+                                    "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "HF_HOME",
+                                    "XDG_CACHE_HOME", "GROUP_RANK"};
+    bool drop = name.starts_with("ACCELERATE_") || name.starts_with("FSDP_") || extra_env.count(name);
+    for (const char* d : dropped) drop = drop || name == d;
+    if (!drop) env.push_back(text);
+  }
+  env.push_back("HF_HOME=" + hf_home);
+  for (const auto& [name, value] : extra_env) env.push_back(name + "=" + value);
+
+  std::vector<std::string> argv_strings{accel_exe()};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  std::vector<char*> argv, envp;
+  for (auto& s : argv_strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  for (auto& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+
+  int out_pipe[2], err_pipe[2];
+  REQUIRE(::pipe2(out_pipe, O_CLOEXEC) == 0);
+  REQUIRE(::pipe2(err_pipe, O_CLOEXEC) == 0);
+  Running running;
+  running.started = Clock::now();
+  running.pid = ::fork();
+  REQUIRE(running.pid >= 0);
+  if (running.pid == 0) {
+    ::dup2(out_pipe[1], 1);
+    ::dup2(err_pipe[1], 2);
+    ::execve(argv[0], argv.data(), envp.data());
+    ::_exit(127);
+  }
+  ::close(out_pipe[1]);
+  ::close(err_pipe[1]);
+  running.out_fd = out_pipe[0];
+  running.err_fd = err_pipe[0];
+  return running;
+}
+
+/// Reads until both pipes close, then reaps; a child still running after
+/// `limit` is killed and the test fails (nothing here may hang).
+Result finish(Running running, std::chrono::seconds limit = std::chrono::seconds(40)) {
+  Result result;
+  const auto deadline = running.started + limit;
+  std::string* sinks[] = {&result.out, &result.err};
+  int fds[] = {running.out_fd, running.err_fd};
+  bool killed = false;
+  while (fds[0] >= 0 || fds[1] >= 0) {
+    if (Clock::now() >= deadline && !killed) {
+      ::kill(running.pid, SIGKILL);
+      killed = true;
+      break;
+    }
+    pollfd pfds[2];
+    int n = 0;
+    int which[2];
+    for (int i = 0; i < 2; ++i)
+      if (fds[i] >= 0) {
+        pfds[n] = {fds[i], POLLIN, 0};
+        which[n++] = i;
+      }
+    if (::poll(pfds, n, 100) <= 0) continue;
+    for (int k = 0; k < n; ++k) {
+      if (!(pfds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      char buffer[4096];
+      ssize_t got = ::read(fds[which[k]], buffer, sizeof buffer);
+      if (got > 0) {
+        sinks[which[k]]->append(buffer, static_cast<std::size_t>(got));
+      } else if (got == 0 || errno != EINTR) {
+        ::close(fds[which[k]]);
+        fds[which[k]] = -1;
+      }
+    }
+  }
+  for (int fd : fds)
+    if (fd >= 0) ::close(fd);
+  int status = 0;
+  ::waitpid(running.pid, &status, 0);
+  result.seconds = std::chrono::duration<double>(Clock::now() - running.started).count();
+  result.exited = WIFEXITED(status);
+  result.status = result.exited ? WEXITSTATUS(status) : WTERMSIG(status);
+  CHECK_MESSAGE(!killed, "accel did not finish within " << limit.count() << " s:\n" << result);
+  return result;
+}
+
+Result run_accel(const std::vector<std::string>& args, const TempDir& dir,
+                 const std::map<std::string, std::string>& extra_env = {}) {
+  return finish(start_accel(args, dir.hf_home(), extra_env));
+}
+
+/// `accel launch <flags> sh -c <script>`, always bounded by --timeout.
+Result launch_sh(std::vector<std::string> flags, const std::string& script, const TempDir& dir,
+                 const std::map<std::string, std::string>& extra_env = {}) {
+  std::vector<std::string> args{"launch", "--timeout", "30"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  args.insert(args.end(), {"sh", "-c", script});
+  return run_accel(args, dir, extra_env);
+}
+
+/// Whether a process is gone: no such pid (ESRCH), or a zombie its new parent
+/// has not reaped yet (already dead; the container's init may be slow to reap).
+bool process_gone(pid_t pid) {
+  for (int i = 0; i < 60; ++i) {
+    if (::kill(pid, 0) == -1 && errno == ESRCH) return true;
+    std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+    auto close_paren = stat.rfind(')');
+    if (close_paren != std::string::npos && close_paren + 2 < stat.size() && stat[close_paren + 2] == 'Z') return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+pid_t read_pid(const std::string& path) {
+  std::string text = read_file(path);
+  return text.empty() ? -1 : static_cast<pid_t>(std::stol(text));
+}
+
+/// Every line of `text` starts with one of the rank prefixes (or, for
+/// stderr, is one of accel's own "accel launch:" lines).
+bool every_line_prefixed(const std::string& text, bool allow_launcher_lines) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.starts_with("[rank ")) continue;
+    if (allow_launcher_lines && line.starts_with("accel launch: ")) continue;
+    return false;
+  }
+  return true;
+}
+
+const char* const print_env =
+    "echo \"R=$RANK W=$WORLD_SIZE LR=$LOCAL_RANK LW=$LOCAL_WORLD_SIZE A=$MASTER_ADDR P=$MASTER_PORT "
+    "T=$OMP_NUM_THREADS MP=$ACCELERATE_MIXED_PRECISION G=$GROUP_RANK GA=$ACCELERATE_GRADIENT_ACCUMULATION_STEPS\"";
+
+}  // namespace
+
+TEST_CASE("launch: two ranks get torchrun's and Accelerate's variables, output is prefixed") {
+  TempDir dir;
+  auto r = launch_sh({"--num_processes", "2", "--main_process_port=29517", "--mixed_precision", "bf16"},
+                     std::string(print_env) + "; echo \"to stderr $RANK\" >&2", dir);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "[rank 0] R=0 W=2 LR=0 LW=2 A=127.0.0.1 P=29517 T=1 MP=bf16 G=0 GA=\n"));
+  CHECK(contains(r.out, "[rank 1] R=1 W=2 LR=1 LW=2 A=127.0.0.1 P=29517 T=1 MP=bf16 G=0 GA=\n"));
+  CHECK(contains(r.err, "[rank 0] to stderr 0\n"));
+  CHECK(contains(r.err, "[rank 1] to stderr 1\n"));
+  CHECK(every_line_prefixed(r.out, false));
+  CHECK(every_line_prefixed(r.err, true));
+  CHECK(contains(r.err, "accel launch: starting 2 processes"));
+}
+
+TEST_CASE("launch: defaults, thread count, accumulation steps, program arguments") {
+  TempDir dir;
+  SUBCASE("one process: mixed precision defaults to no, OMP_NUM_THREADS is inherited") {
+    auto r = launch_sh({}, print_env, dir, {{"OMP_NUM_THREADS", "7"}});
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "[rank 0] R=0 W=1 LR=0 LW=1 A=127.0.0.1 P="));
+    CHECK(contains(r.out, " T=7 MP=no G=0 GA=\n"));
+  }
+  SUBCASE("--num_cpu_threads_per_process and --gradient_accumulation_steps") {
+    auto r = launch_sh({"--num_processes=2", "--num_cpu_threads_per_process", "3", "--gradient_accumulation_steps",
+                        "4", "--mixed_precision=fp16"},
+                       print_env, dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "[rank 1] R=1 W=2 LR=1 LW=2 A=127.0.0.1 P="));
+    CHECK(contains(r.out, " T=3 MP=fp16 G=0 GA=4\n"));
+  }
+  SUBCASE("everything after the program is the program's, even flag-like words") {
+    auto r = run_accel({"launch", "--timeout", "30", "-q", "sh", "-c", "echo \"args=$*\"", "sh", "--num_processes",
+                        "7", "--bogus"},
+                       dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(r.out == "[rank 0] args=--num_processes 7 --bogus\n");
+    CHECK(r.err.empty());  // -q: no launcher messages on success
+  }
+  SUBCASE("a last line without a newline is still forwarded") {
+    auto r = launch_sh({"-q"}, "printf 'no newline'", dir);
+    CHECK(r.out == "[rank 0] no newline\n");
+  }
+}
+
+TEST_CASE("launch: multi-machine arithmetic (num_processes is the total, as in Accelerate)") {
+  TempDir dir;
+  auto r = launch_sh({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip",
+                      "10.1.2.3", "--main_process_port", "29600"},
+                     print_env, dir);
+  INFO(r);
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "[rank 2] R=2 W=4 LR=0 LW=2 A=10.1.2.3 P=29600 T=1 MP=no G=1 GA=\n"));
+  CHECK(contains(r.out, "[rank 3] R=3 W=4 LR=1 LW=2 A=10.1.2.3 P=29600 T=1 MP=no G=1 GA=\n"));
+  CHECK_FALSE(contains(r.out, "[rank 0]"));
+  CHECK_FALSE(contains(r.out, "[rank 1]"));
+}
+
+TEST_CASE("launch: a failing rank takes the job down and nothing is left running") {
+  TempDir dir;
+  const std::string pid_file = dir.file("sleeper.pid");
+  const std::string child_file = dir.file("sleeper-child.pid");
+  // Rank 0 records its pid and its child's, then sleeps; rank 1 waits for that and exits 3.
+  const std::string script =
+      "if [ \"$RANK\" = 0 ]; then sleep 60 & echo $! > " + child_file + "; echo $$ > " + pid_file +
+      "; wait; else while [ ! -s " + pid_file + " ]; do sleep 0.05; done; echo failing; exit 3; fi";
+  auto r = launch_sh({"--num_processes", "2"}, script, dir);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 3);  // the failing rank's own status
+  CHECK(r.seconds < 10);
+  CHECK(contains(r.out, "[rank 1] failing\n"));
+  CHECK(contains(r.err, "accel launch: rank 1 (pid "));
+  CHECK(contains(r.err, ") exited with status 3; terminated the other ranks\n"));
+  const pid_t sleeper = read_pid(pid_file);
+  const pid_t sleeper_child = read_pid(child_file);
+  REQUIRE(sleeper > 0);
+  REQUIRE(sleeper_child > 0);
+  errno = 0;
+  CHECK(::kill(sleeper, 0) == -1);
+  CHECK(errno == ESRCH);  // reaped by the launcher, not even a zombie
+  CHECK(process_gone(sleeper_child));
+}
+
+TEST_CASE("launch: a rank that ignores SIGTERM is killed after the grace period") {
+  TempDir dir;
+  const std::string pid_file = dir.file("stubborn.pid");
+  const std::string script = "if [ \"$RANK\" = 0 ]; then trap '' TERM; echo $$ > " + pid_file +
+                             "; while :; do sleep 0.1; done; else while [ ! -s " + pid_file +
+                             " ]; do sleep 0.05; done; exit 5; fi";
+  auto r = launch_sh({"--num_processes", "2"}, script, dir);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 5);
+  CHECK(r.seconds < 10);
+  CHECK(contains(r.err, "accel launch: rank 1 (pid "));
+  const pid_t stubborn = read_pid(pid_file);
+  REQUIRE(stubborn > 0);
+  errno = 0;
+  CHECK(::kill(stubborn, 0) == -1);
+  CHECK(errno == ESRCH);
+}
+
+TEST_CASE("launch: a rank killed by a signal is named with the signal") {
+  TempDir dir;
+  auto r = launch_sh({"--num_processes", "2"}, "if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; sleep 60", dir);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 1);
+  CHECK(r.seconds < 10);
+  CHECK(contains(r.err, "accel launch: rank 1 (pid "));
+  CHECK(contains(r.err, "was killed by signal 9 (Killed); terminated the other ranks"));
+}
+
+TEST_CASE("launch: --timeout kills a job that does not finish") {
+  TempDir dir;
+  auto r = run_accel({"launch", "--timeout", "0.5", "--num_processes", "2", "sh", "-c", "sleep 60"}, dir);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 124);
+  CHECK(r.seconds < 10);
+  CHECK(contains(r.err, "did not finish within --timeout 0.5 s"));
+}
+
+TEST_CASE("launch: SIGTERM to the launcher terminates every rank") {
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  auto running = start_accel({"launch", "--timeout", "30", "--num_processes", "2", "sh", "-c",
+                              "echo $$ >> " + pids + "; sleep 60"},
+                             dir.hf_home());
+  // Both ranks have written their pid once the file has two lines.
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  auto lines = [&] {
+    std::string text = read_file(pids);
+    return std::count(text.begin(), text.end(), '\n');
+  };
+  while (lines() < 2 && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(lines() == 2);
+  ::kill(running.pid, SIGTERM);
+  auto r = finish(running);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 128 + SIGTERM);
+  CHECK(r.seconds < 15);
+  CHECK(contains(r.err, "interrupted by SIGTERM; terminated all ranks"));
+  std::istringstream in(read_file(pids));
+  for (std::string line; std::getline(in, line);) CHECK(process_gone(static_cast<pid_t>(std::stol(line))));
+}
+
+TEST_CASE("launch: config file values, flag overrides, nested sections") {
+  TempDir dir;
+  const std::string config = dir.file("cfg.json");
+  write_file(config, R"({
+    "compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU", "mixed_precision": "fp16",
+    "use_cpu": true, "debug": false, "num_processes": 2, "num_machines": 1, "machine_rank": 0,
+    "main_process_ip": null, "main_process_port": 29611, "rdzv_backend": "static", "same_network": true,
+    "gpu_ids": "all", "enable_cpu_affinity": false, "downcast_bf16": "no",
+    "deepspeed_config": {"gradient_accumulation_steps": 8}, "fsdp_config": {}, "megatron_lm_config": {}
+  })");
+  SUBCASE("values come through") {
+    auto r = launch_sh({"--config_file", config}, std::string(print_env) + "; echo \"CPU=$ACCELERATE_USE_CPU\"", dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "[rank 0] R=0 W=2 LR=0 LW=2 A=127.0.0.1 P=29611 T=1 MP=fp16 G=0 GA=8\n"));
+    CHECK(contains(r.out, "[rank 1] R=1 W=2 LR=1 LW=2 A=127.0.0.1 P=29611 T=1 MP=fp16 G=0 GA=8\n"));
+    CHECK(contains(r.out, "[rank 1] CPU=true\n"));
+  }
+  SUBCASE("flags override the file") {
+    auto r = launch_sh({"--config_file=" + config, "--mixed_precision", "no", "--num_processes", "1",
+                        "--main_process_port", "29612"},
+                       print_env, dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "[rank 0] R=0 W=1 LR=0 LW=1 A=127.0.0.1 P=29612 T= MP=no G=0 GA=8\n"));
+    CHECK_FALSE(contains(r.out, "[rank 1]"));
+  }
+  SUBCASE("the default config under $HF_HOME is used when no --config_file is given") {
+    write_file(dir.hf_home() + "/accelerate/default_config.json", read_file(config));
+    auto r = launch_sh({}, print_env, dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "[rank 1] R=1 W=2 LR=1 LW=2 A=127.0.0.1 P=29611 T=1 MP=fp16 G=0 GA=8\n"));
+  }
+  SUBCASE("fsdp_config is forwarded as Accelerate's variables") {
+    const std::string fsdp = dir.file("fsdp.json");
+    write_file(fsdp, R"({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD",
+                        "fsdp_offload_params": false, "fsdp_min_num_params": 100000}})");
+    auto r = launch_sh({"--config_file", fsdp, "-q"},
+                       "echo \"$ACCELERATE_USE_FSDP $FSDP_SHARDING_STRATEGY $FSDP_OFFLOAD_PARAMS $FSDP_MIN_NUM_PARAMS\"",
+                       dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(r.out == "[rank 0] true FULL_SHARD false 100000\n");
+  }
+}
+
+TEST_CASE("launch: bad config files are rejected, naming the key and the file") {
+  TempDir dir;
+  auto rejected = [&](const std::string& name, const std::string& text, std::vector<std::string> must_mention) {
+    const std::string path = dir.file(name);
+    write_file(path, text);
+    auto r = launch_sh({"--config_file", path}, "echo SHOULD-NOT-RUN", dir);
+    INFO(r);
+    CHECK(r.exited);
+    CHECK(r.status == 2);
+    CHECK(r.out.empty());
+    CHECK(r.err.starts_with("accel launch: "));
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);  // one line
+    must_mention.push_back(path);
+    for (const auto& word : must_mention) CHECK_MESSAGE(contains(r.err, word), "missing '" << word << "'");
+  };
+  SUBCASE("unknown key") { rejected("unknown.json", R"({"num_processes": 2, "num_procs": 2})", {"'num_procs'"}); }
+  SUBCASE("unknown nested key") {
+    rejected("nested.json", R"({"fsdp_config": {"sharding": "FULL_SHARD"}})", {"'fsdp_config.sharding'"});
+  }
+  SUBCASE("wrong type") {
+    rejected("type.json", R"({"num_processes": "two"})", {"'num_processes'", "an integer", "\"two\""});
+  }
+  SUBCASE("wrong type of a boolean") { rejected("bool.json", R"({"use_cpu": "yes"})", {"'use_cpu'", "boolean"}); }
+  SUBCASE("not JSON") { rejected("broken.json", "{\"num_processes\": ", {"not valid JSON"}); }
+  SUBCASE("YAML, with a conversion hint") {
+    rejected("default_config.yaml", "num_processes: 2\n", {"YAML", "JSON config files", "json.dump", "default_config.json"});
+  }
+  SUBCASE("values the file gives are checked like flags") {
+    rejected("div.json", R"({"num_processes": 3, "num_machines": 2})", {"num_processes 3", "num_machines 2"});
+  }
+  SUBCASE("a missing file") {
+    auto r = launch_sh({"--config_file", dir.file("absent.json")}, "true", dir);
+    CHECK(r.status == 2);
+    CHECK(contains(r.err, "absent.json does not exist"));
+  }
+}
+
+TEST_CASE("launch: bad flags exit 2 with one line naming the flag") {
+  TempDir dir;
+  auto bad = [&](std::vector<std::string> args, std::vector<std::string> must_mention) {
+    args.insert(args.begin(), "launch");
+    auto r = run_accel(args, dir);
+    INFO(r);
+    CHECK(r.exited);
+    CHECK(r.status == 2);
+    CHECK(r.out.empty());
+    CHECK(r.err.starts_with("accel launch: "));
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    for (const auto& word : must_mention) CHECK_MESSAGE(contains(r.err, word), "missing '" << word << "'");
+  };
+  bad({"--bogus", "sh", "-c", "true"}, {"unknown flag --bogus"});
+  bad({"--num_processes"}, {"--num_processes needs a value"});
+  bad({"--num_processes", "--cpu", "sh"}, {"--num_processes needs a value"});
+  bad({"--num_processes=", "sh"}, {"--num_processes needs a value"});
+  bad({"--num_processes", "x", "sh"}, {"--num_processes expects an integer", "'x'"});
+  bad({"--num_processes", "2.5", "sh"}, {"--num_processes expects an integer", "'2.5'"});
+  bad({"--timeout", "soon", "sh"}, {"--timeout expects a number of seconds"});
+  bad({"--num_processes", "3", "--num_machines", "2", "sh"}, {"--num_processes 3", "not divisible", "--num_machines 2"});
+  bad({"--num_processes", "0", "sh"}, {"--num_processes 0 must be at least 1"});
+  bad({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "2", "sh"},
+      {"--machine_rank 2 must be below --num_machines 2"});
+  bad({"--main_process_port", "70000", "sh"}, {"--main_process_port 70000"});
+  bad({"--mixed_precision", "fp8", "sh"}, {"--mixed_precision fp8", "no, fp16, bf16"});
+  bad({"--cpu=yes", "sh"}, {"--cpu takes no value"});
+  bad({"--timeout", "0", "sh"}, {"--timeout 0"});
+  bad({"--num_processes", "2"}, {"no program given"});
+  bad({"no-such-program-accel-test"}, {"'no-such-program-accel-test' was not found in PATH"});
+}
+
+TEST_CASE("config: writes a file that launch reads back") {
+  TempDir dir;
+  SUBCASE("--config_file") {
+    const std::string path = dir.file("sub/written.json");
+    auto w = run_accel({"config", "--config_file", path, "--num_processes", "2", "--mixed_precision", "bf16",
+                        "--main_process_port", "29620", "--gradient_accumulation_steps", "2"},
+                       dir);
+    INFO(w);
+    CHECK(w.status == 0);
+    CHECK(contains(w.out, "wrote " + path));
+    auto json = nlohmann::json::parse(read_file(path));
+    CHECK(json["num_processes"] == 2);
+    CHECK(json["mixed_precision"] == "bf16");
+    CHECK(json["compute_environment"] == "LOCAL_MACHINE");
+    CHECK(json["num_machines"] == 1);
+    auto r = launch_sh({"--config_file", path}, print_env, dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "[rank 1] R=1 W=2 LR=1 LW=2 A=127.0.0.1 P=29620 T=1 MP=bf16 G=0 GA=2\n"));
+  }
+  SUBCASE("accel config default writes the default path once and launch uses it") {
+    auto w = run_accel({"config", "default", "--mixed_precision", "fp16"}, dir);
+    INFO(w);
+    CHECK(w.status == 0);
+    const std::string path = dir.hf_home() + "/accelerate/default_config.json";
+    CHECK(contains(w.out, path));
+    auto again = run_accel({"config", "default"}, dir);
+    CHECK(again.status == 1);
+    CHECK(contains(again.err, "already exists"));
+    auto r = launch_sh({"-q"}, print_env, dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "[rank 0] R=0 W=1 LR=0 LW=1 A=127.0.0.1 P="));
+    CHECK(contains(r.out, " MP=fp16 "));
+  }
+  SUBCASE("config refuses what launch would refuse") {
+    auto r = run_accel({"config", "--config_file", dir.file("x.json"), "--num_processes", "3", "--num_machines", "2"},
+                       dir);
+    CHECK(r.status == 2);
+    CHECK(contains(r.err, "accel config: --num_processes 3 is not divisible by --num_machines 2"));
+    CHECK_FALSE(fs::exists(dir.file("x.json")));
+    auto t = run_accel({"config", "--config_file", dir.file("x.json"), "--timeout", "3"}, dir);
+    CHECK(t.status == 2);
+    CHECK(contains(t.err, "--timeout is a launch-only flag"));
+  }
+}
+
+TEST_CASE("help, env and unknown commands") {
+  TempDir dir;
+  auto help = run_accel({"launch", "--help"}, dir);
+  CHECK(help.status == 0);
+  for (const char* flag : {"--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
+                           "--main_process_port", "--config_file", "--mixed_precision",
+                           "--num_cpu_threads_per_process", "--gradient_accumulation_steps", "--cpu", "--quiet", "-q",
+                           "--monitor_interval", "--timeout", "Exit status"})
+    CHECK_MESSAGE(contains(help.out, flag), "launch --help lacks " << flag);
+  auto top = run_accel({"--help"}, dir);
+  CHECK(top.status == 0);
+  for (const char* command : {"launch", "config", "env"}) CHECK(contains(top.out, command));
+
+  write_file(dir.hf_home() + "/accelerate/default_config.json", "{\"num_processes\": 2}\n");
+  auto env = run_accel({"env"}, dir, {{"SLURM_PROCID", "5"}});
+  INFO(env);
+  CHECK(env.status == 0);
+  CHECK(contains(env.out, "accel version: "));
+  CHECK(contains(env.out, "CPUs: "));
+  CHECK(contains(env.out, dir.hf_home() + "/accelerate/default_config.json"));
+  CHECK(contains(env.out, "\"num_processes\": 2"));
+  CHECK(contains(env.out, "SLURM_PROCID=5"));
+
+  auto unknown = run_accel({"lanch"}, dir);
+  CHECK(unknown.status == 2);
+  CHECK(contains(unknown.err, "unknown command 'lanch'"));
+}

@@ -1,0 +1,170 @@
+// The `accel` command line: Accelerate's `launch`, `config` and `env` for
+// LibTorch programs. Torch-free on purpose: it only starts processes and
+// writes files, so it builds in seconds and works where LibTorch is absent.
+
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "cli/args.hpp"
+#include "cli/config.hpp"
+#include "cli/env_report.hpp"
+#include "cli/launch.hpp"
+#include "cli/plan.hpp"
+#include "cli/settings.hpp"
+
+namespace {
+
+using namespace accel::cli;
+
+const char* const main_usage =
+    "usage: accel <command> [flags]\n"
+    "\n"
+    "HuggingFace Accelerate's workflow for LibTorch programs.\n"
+    "\n"
+    "commands:\n"
+    "  launch   run a program as this machine's processes of a distributed job\n"
+    "  config   write a JSON config file for accel launch (accel config default: defaults only)\n"
+    "  env      show accel's version, the machine, the default config and launcher variables\n"
+    "\n"
+    "Run accel <command> --help for its flags. accel --version prints the version.\n";
+
+std::string launch_usage() {
+  return "usage: accel launch [flags] <program> [program args...]\n"
+         "\n"
+         "Starts num_processes / num_machines copies of <program> on this machine with torchrun's\n"
+         "variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
+         "MASTER_PORT, OMP_NUM_THREADS) and Accelerate's (ACCELERATE_MIXED_PRECISION, ...).\n"
+         "Everything after <program> is passed to it. Each line a rank prints comes out prefixed\n"
+         "\"[rank N] \" (N = global rank) on accel's stdout or stderr. Values come from the config\n"
+         "file, and flags override it. When a rank fails, the others are terminated (SIGTERM, then\n"
+         "SIGKILL after 3 s), as they are on a --timeout or when accel launch gets SIGINT/SIGTERM.\n" +
+         flags_help(true) +
+         "\n"
+         "Exit status:\n"
+         "  0      every rank exited with status 0\n"
+         "  S      the first rank to fail exited with status S (S > 0)\n"
+         "  1      the first rank to fail was killed by a signal, or a rank could not be started\n"
+         "  2      bad flags, config file or program\n"
+         "  124    --timeout passed; all ranks were killed\n"
+         "  128+N  accel launch itself got signal N (SIGINT, SIGTERM, SIGHUP)\n";
+}
+
+std::string config_usage() {
+  return "usage: accel config [default] [flags]\n"
+         "\n"
+         "Writes a JSON config file with Accelerate's keys for accel launch, without questions:\n"
+         "the given values, and defaults for the rest. It goes to --config_file, else to\n"
+         "$HF_HOME/accelerate/default_config.json (else ~/.cache/huggingface/accelerate/...).\n"
+         "accel config replaces an existing file; accel config default, as in Accelerate,\n"
+         "does not.\n" +
+         flags_help(false);
+}
+
+// The config file that applies: the one given, else the default if it exists.
+LaunchSettings settings_from_files(const ParsedCommand& parsed, bool quiet) {
+  if (parsed.config_file) return load_config_file(*parsed.config_file);
+  const auto path = default_config_path();
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(path, ec)) return load_config_file(path);
+  auto yaml = path;
+  yaml.replace_extension(".yaml");
+  if (!quiet && std::filesystem::is_regular_file(yaml, ec))
+    std::fprintf(stderr,
+                 "accel launch: ignoring %s: accel reads JSON config files (%s); write one with accel config\n",
+                 yaml.c_str(), path.c_str());
+  return {};
+}
+
+int launch_command(const std::vector<std::string>& args) {
+  ParsedCommand parsed = parse_command_line(args, /*program_follows=*/true);
+  if (parsed.help) {
+    std::fputs(launch_usage().c_str(), stdout);
+    return 0;
+  }
+  LaunchSettings settings = settings_from_files(parsed, parsed.flags.quiet);
+  settings.override_with(parsed.flags);
+  JobPlan plan = resolve_plan(settings);  // checks the values before complaining about a missing program
+  if (parsed.positional.empty())
+    throw UsageError("no program given (usage: accel launch [flags] <program> [program args...])");
+  return run_launch(std::move(plan), parsed.positional);
+}
+
+int config_command(const std::vector<std::string>& args) {
+  ParsedCommand parsed = parse_command_line(args, /*program_follows=*/false);
+  if (parsed.help) {
+    std::fputs(config_usage().c_str(), stdout);
+    return 0;
+  }
+  bool defaults_only = false;
+  for (const auto& word : parsed.positional) {
+    if (word == "default" && !defaults_only) defaults_only = true;
+    else throw UsageError("unexpected argument '" + word + "' (usage: accel config [default] [flags])");
+  }
+  resolve_plan(parsed.flags);  // refuse what accel launch would refuse
+  const std::filesystem::path path = parsed.config_file ? std::filesystem::path(*parsed.config_file)
+                                                        : default_config_path();
+  if (is_yaml_path(path))
+    throw UsageError("--config_file " + path.string() + ": accel writes JSON config files; use a .json name");
+  std::error_code ec;
+  if (defaults_only && std::filesystem::exists(path, ec)) {
+    std::fprintf(stderr,
+                 "accel config: %s already exists; not replacing it (run accel config to replace it, or "
+                 "pass --config_file to write elsewhere)\n",
+                 path.c_str());
+    return 1;
+  }
+  write_config_file(path, config_to_json(parsed.flags, default_distributed_type(parsed.flags)));
+  if (!parsed.flags.quiet) std::printf("accel config: wrote %s\n", path.c_str());
+  return 0;
+}
+
+int env_command(const std::vector<std::string>& args) {
+  for (const auto& arg : args) {
+    if (arg == "-h" || arg == "--help") {
+      std::fputs("usage: accel env\n\nPrints accel's version, the platform, the CPUs, the default config file\n"
+                 "and the launcher-related environment variables set in this shell.\n",
+                 stdout);
+      return 0;
+    }
+    throw UsageError("unexpected argument '" + arg + "' (usage: accel env)");
+  }
+  std::fputs(environment_report().c_str(), stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) {
+    std::fputs(main_usage, stderr);
+    return exit_usage;
+  }
+  const std::string command = args.front();
+  args.erase(args.begin());
+  if (command == "-h" || command == "--help" || command == "help") {
+    std::fputs(main_usage, stdout);
+    return 0;
+  }
+  if (command == "-V" || command == "--version") {
+    std::printf("accel %s\n", ACCEL_VERSION);
+    return 0;
+  }
+  try {
+    if (command == "launch") return launch_command(args);
+    if (command == "config") return config_command(args);
+    if (command == "env") return env_command(args);
+    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env; see accel --help)\n",
+                 command.c_str());
+    return exit_usage;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "accel %s: %s\n", command.c_str(), e.what());
+    return exit_usage;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "accel %s: %s\n", command.c_str(), e.what());
+    return 1;
+  }
+}
