@@ -15,7 +15,9 @@
 #include <ATen/ops/cat.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <chrono>
 #include <concepts>
@@ -35,6 +37,7 @@
 #include "accel/data/loader.hpp"
 #include "accel/device/device.hpp"
 #include "accel/precision/autocast.hpp"
+#include "accel/precision/loss_scaling.hpp"
 #include "accel/strategy/ddp.hpp"
 #include "accel/strategy/single_process.hpp"
 
@@ -47,6 +50,9 @@ struct TrainerOptions {
   /// Every collective (and the rendezvous) fails after this long instead of
   /// hanging; c10d's own default is 30 minutes.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Micro-batches per optimizer step. Unset: ACCELERATE_GRADIENT_ACCUMULATION_STEPS
+  /// (what `accel launch --gradient_accumulation_steps` sets), else 1.
+  std::optional<int> gradient_accumulation_steps;
 };
 
 /// Thrown when the launcher's settings contradict the compiled policies.
@@ -64,6 +70,26 @@ concept module_holder = requires(T& m) {
 
 template <class T>
 concept optimizer = std::derived_from<T, torch::optim::Optimizer>;
+
+template <class T>
+concept lr_scheduler = std::derived_from<T, torch::optim::LRScheduler>;
+
+inline int accumulation_steps(const std::optional<int>& configured) {
+  auto from_env = comm::process_environment("ACCELERATE_GRADIENT_ACCUMULATION_STEPS");
+  int steps = 1;
+  if (configured) {
+    steps = *configured;
+  } else if (from_env) {
+    try {
+      steps = std::stoi(*from_env);
+    } catch (const std::exception&) {
+      throw ConfigurationError("accel: ACCELERATE_GRADIENT_ACCUMULATION_STEPS='" + *from_env + "' is not an integer");
+    }
+  }
+  if (steps < 1)
+    throw ConfigurationError("accel: gradient_accumulation_steps must be at least 1, got " + std::to_string(steps));
+  return steps;
+}
 
 // Where an ACCELERATE_* variable set by `accel launch` disagrees with the
 // compiled policy, say so instead of silently training in another precision.
@@ -93,7 +119,9 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         world_(comm::world_from_environment()),
         device_(device::traits<Device>::resolve(world_)),
         comm_(connect(world_, options_)),
-        engine_(strategy_, comm_) {
+        engine_(strategy_, comm_),
+        scaling_(precision),
+        accumulation_steps_(detail::accumulation_steps(options.gradient_accumulation_steps)) {
     (void)device;
     detail::check_launcher_precision<Precision>();
   }
@@ -108,7 +136,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// Registers the model (moved to the device; under DDP rank 0's weights are
   /// broadcast and gradient hooks installed) and/or the optimizer.
   template <class... Objects>
-    requires(sizeof...(Objects) > 0 && ((detail::module_holder<Objects> || detail::optimizer<Objects>) && ...))
+    requires(sizeof...(Objects) > 0 &&
+             ((detail::module_holder<Objects> || detail::optimizer<Objects> || detail::lr_scheduler<Objects>) && ...))
   void prepare(Objects&... objects) {
     (prepare_one(objects), ...);
   }
@@ -121,11 +150,14 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   }
 
   // ------------------------------------------------------------ the step
-  /// Runs `forward` (under autocast), then backward, the optimizer step and
-  /// zeroing of the gradients; returns the loss.
+  /// One micro-step: runs `forward` under autocast, then backward; on the
+  /// micro-step that completes a gradient accumulation cycle (every one, by
+  /// default) also the optimizer step, the scheduler step and zero_grad.
+  /// Returns the loss as `forward` computed it.
   template <class F>
   at::Tensor step(F&& forward) {
     (void)detail::check_step_function<std::remove_reference_t<F>>::value;
+    auto micro_step = accumulate();
     at::Tensor loss;
     {
       [[maybe_unused]] auto scope = autocast();
@@ -137,20 +169,81 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     return loss;
   }
 
-  /// `loss.backward()`, with the strategy's bookkeeping (for users who drive
-  /// their own loop: backward, then optimizer_step, then zero_grad).
+  /// RAII scope of one micro-step, Accelerate's `with accelerator.accumulate(model)`:
+  ///   { auto micro = trainer.accumulate(); trainer.backward(loss);
+  ///     trainer.optimizer_step(); trainer.zero_grad(); }
+  /// Decides whether this micro-step synchronises gradients: every
+  /// `gradient_accumulation_steps`-th one, and the last batch of an epoch.
+  class MicroStep {
+   public:
+    explicit MicroStep(Trainer& trainer) { trainer.begin_micro_step(); }
+    MicroStep(const MicroStep&) = delete;
+    MicroStep& operator=(const MicroStep&) = delete;
+  };
+  [[nodiscard]] MicroStep accumulate() { return MicroStep(*this); }
+
+  /// `loss.backward()` with the strategy's bookkeeping: the loss is divided
+  /// by the accumulation steps (so k micro-batches equal one k times larger
+  /// batch), scaled under FP16, and gradient communication is skipped on
+  /// non-final micro-steps.
   void backward(const at::Tensor& loss) {
-    engine_.before_backward(loss);
-    loss.backward();
+    synchronized_ = false;
+    engine_.set_gradient_sync(sync_gradients_);
+    at::Tensor scaled = accumulation_steps_ == 1 ? loss : loss / accumulation_steps_;
+    scaled = scaling_.scale_loss(scaled);
+    engine_.before_backward(scaled);
+    scaled.backward();
   }
 
-  /// Waits for gradient communication, then steps the prepared optimizer.
+  /// On a synchronising micro-step: waits for gradient communication,
+  /// unscales (FP16), then steps the optimizer unless a gradient overflowed
+  /// on any rank, then the prepared scheduler. Elsewhere a no-op.
   void optimizer_step() {
-    engine_.synchronize_gradients();
-    require_optimizer().step();
+    if (!sync_gradients_) return;
+    auto& optimizer = require_optimizer();
+    ensure_synchronized();
+    step_was_skipped_ = scaling_.unscale(params_, comm_);
+    if (!step_was_skipped_) {
+      optimizer.step();
+      if (scheduler_ != nullptr) {
+        scheduler_->step();
+        ++scheduler_steps_;
+      }
+    }
+    scaling_.update();
+    ++optimizer_steps_;
   }
 
-  void zero_grad() { engine_.zero_grad(require_optimizer()); }
+  void zero_grad() {
+    if (sync_gradients_) engine_.zero_grad(require_optimizer());
+  }
+
+  /// Whether this micro-step synchronises gradients and steps (Accelerate's
+  /// `sync_gradients`).
+  bool sync_gradients() const { return sync_gradients_; }
+  int gradient_accumulation_steps() const { return accumulation_steps_; }
+  /// Accelerate's `optimizer_step_was_skipped`: the last step found an
+  /// inf/NaN gradient (FP16) and was skipped on every rank.
+  bool optimizer_step_was_skipped() const { return step_was_skipped_; }
+  /// Optimizer steps taken (skipped ones included): the training step count.
+  std::int64_t completed_steps() const { return optimizer_steps_; }
+  /// The FP16 loss scale (1 for the other precisions).
+  double loss_scale() const { return scaling_.scale(); }
+
+  /// Clips the gradients' global norm to `max_norm`, after communication
+  /// and FP16 unscaling; returns the norm before clipping. Call it between
+  /// backward and optimizer_step on a synchronising micro-step.
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) {
+    prepare_gradients_for_clipping("clip_grad_norm");
+    return torch::nn::utils::clip_grad_norm_(params_, max_norm, norm_type);
+  }
+
+  /// Clamps every gradient element to [-value, value] (after communication
+  /// and FP16 unscaling).
+  void clip_grad_value(double value) {
+    prepare_gradients_for_clipping("clip_grad_value");
+    torch::nn::utils::clip_grad_value_(params_, value);
+  }
 
   /// The forward-pass autocast scope for this trainer's precision and device.
   precision::AutocastScope<Precision> autocast() const { return precision::AutocastScope<Precision>(device_.type()); }
@@ -235,11 +328,46 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   void prepare_one(M& model) {
     model->to(device_);
     engine_.prepare_model(*model.ptr());
+    for (auto& p : model->parameters())
+      if (p.requires_grad()) params_.push_back(p);
+    models_.push_back(model.ptr());
   }
 
   template <detail::optimizer O>
   void prepare_one(O& optimizer) {
     optimizer_ = &optimizer;
+  }
+
+  template <detail::lr_scheduler S>
+  void prepare_one(S& scheduler) {
+    scheduler_ = &scheduler;
+  }
+
+  void begin_micro_step() {
+    const auto& cursor = *cursor_;
+    const bool end_of_epoch = cursor.sampler != nullptr && cursor.last_in_epoch;
+    if (end_of_epoch) {
+      micro_steps_ = 0;
+      sync_gradients_ = true;
+    } else {
+      ++micro_steps_;
+      sync_gradients_ = micro_steps_ % accumulation_steps_ == 0;
+    }
+  }
+
+  void ensure_synchronized() {
+    if (synchronized_) return;
+    engine_.synchronize_gradients();
+    synchronized_ = true;
+  }
+
+  void prepare_gradients_for_clipping(const char* what) {
+    if (!sync_gradients_)
+      throw std::logic_error(std::string("accel: ") + what +
+                             " on a micro-step that does not synchronise gradients: call it only when "
+                             "trainer.sync_gradients() is true");
+    ensure_synchronized();
+    scaling_.unscale(params_, comm_);
   }
 
   torch::optim::Optimizer& require_optimizer() {
@@ -255,7 +383,18 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   at::Device device_;
   comm::Communicator comm_;
   engine_type engine_;
+  precision::LossScaling<Precision> scaling_;
+  int accumulation_steps_ = 1;
+  int micro_steps_ = 0;
+  bool sync_gradients_ = true;
+  bool synchronized_ = false;
+  bool step_was_skipped_ = false;
+  std::int64_t optimizer_steps_ = 0;
+  std::int64_t scheduler_steps_ = 0;
+  std::vector<at::Tensor> params_;
+  std::vector<std::shared_ptr<torch::nn::Module>> models_;
   torch::optim::Optimizer* optimizer_ = nullptr;
+  torch::optim::LRScheduler* scheduler_ = nullptr;
   std::shared_ptr<data::LoaderCursor> cursor_ = std::make_shared<data::LoaderCursor>();
 };
 

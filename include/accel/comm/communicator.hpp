@@ -14,6 +14,7 @@
 #endif
 
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -41,6 +42,10 @@ class Pending {
   Pending() = default;
   Pending(c10::intrusive_ptr<compat::Work> work, std::string what, int rank)
       : work_(std::move(work)), what_(std::move(what)), rank_(rank) {}
+  /// For work whose options carry no timeout (send/recv): `wait` bounds
+  /// itself by `timeout` instead of the backend's default.
+  Pending(c10::intrusive_ptr<compat::Work> work, std::string what, int rank, std::chrono::milliseconds timeout)
+      : work_(std::move(work)), what_(std::move(what)), rank_(rank), timeout_(timeout) {}
 
   bool valid() const { return static_cast<bool>(work_); }
 
@@ -48,7 +53,7 @@ class Pending {
     if (!work_) return;
     auto work = std::move(work_);
     try {
-      work->wait();
+      work->wait(timeout_);
     } catch (const std::exception& e) {
       throw CollectiveError("accel: rank " + std::to_string(rank_) + ": " + what_ +
                             " failed (a peer died, or it ran past the collective timeout): " + e.what());
@@ -59,6 +64,7 @@ class Pending {
   c10::intrusive_ptr<compat::Work> work_;
   std::string what_;
   int rank_ = 0;
+  std::chrono::milliseconds timeout_{0};  // 0 is c10d's kNoTimeout: the backend's own bound
 };
 
 /// A process group with accel's error reporting. Default-constructed it is
@@ -81,6 +87,7 @@ class Communicator {
     comm.rank_ = info.rank;
     comm.size_ = info.world_size;
     comm.timeout_ = timeout;
+    comm.kind_ = kind;
     if (info.world_size > 1) comm.group_ = shared_group(info, kind, timeout);
     return comm;
   }
@@ -89,11 +96,18 @@ class Communicator {
   int size() const { return size_; }
   bool distributed() const { return size_ > 1; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  /// Which backend the collectives run on: callers pick native or built
+  /// algorithms by it (Gloo lacks reduce-scatter and flat all-gather).
+  BackendKind backend_kind() const { return kind_; }
   compat::CollectiveBackend& backend() const { return *group_->backend; }
+  /// Collectives this handle has issued (tests count them: gradient
+  /// accumulation must issue none on its non-final micro-steps).
+  std::uint64_t collectives_issued() const { return issued_; }
 
   /// Sum across ranks, in place, asynchronously.
   Pending all_reduce_async(at::Tensor& tensor, std::string what) {
     if (!distributed()) return {};
+    ++issued_;
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.timeout = timeout_;
@@ -104,6 +118,7 @@ class Communicator {
 
   void broadcast(at::Tensor& tensor, int root, const std::string& what) {
     if (!distributed()) return;
+    ++issued_;
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions options;
     options.rootRank = root;
@@ -114,6 +129,7 @@ class Communicator {
   /// Every rank's tensor (all the same shape), in rank order.
   std::vector<at::Tensor> all_gather(const at::Tensor& tensor, const std::string& what) {
     if (!distributed()) return {tensor};
+    ++issued_;
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(tensor));
     std::vector<at::Tensor> inputs{tensor.contiguous()};
@@ -123,8 +139,28 @@ class Communicator {
     return outputs[0];
   }
 
+  /// Point-to-point send of a contiguous tensor to rank `dst`. c10d's send
+  /// takes no options, so the timeout is applied when the result is waited on.
+  Pending send_async(const at::Tensor& tensor, int dst, int tag, std::string what) {
+    std::vector<at::Tensor> tensors{tensor};
+    auto work = backend().send(tensors, dst, tag);
+    p2p_bytes_sent_ += static_cast<std::uint64_t>(tensor.numel()) * tensor.element_size();
+    return {std::move(work), std::move(what), rank_, timeout_};
+  }
+
+  /// Point-to-point receive into `tensor` (contiguous, of the sent size) from rank `src`.
+  Pending recv_async(at::Tensor& tensor, int src, int tag, std::string what) {
+    std::vector<at::Tensor> tensors{tensor};
+    return {backend().recv(tensors, src, tag), std::move(what), rank_, timeout_};
+  }
+
+  /// Bytes this communicator has handed to `send_async` so far: lets tests
+  /// check what an algorithm built from send/recv really puts on the wire.
+  std::uint64_t p2p_bytes_sent() const { return p2p_bytes_sent_; }
+
   void barrier(const std::string& what = "barrier (wait_for_everyone)") {
     if (!distributed()) return;
+    ++issued_;
     c10d::BarrierOptions options;
     options.timeout = timeout_;
     Pending(backend().barrier(options), what, rank_).wait();
@@ -209,7 +245,10 @@ class Communicator {
   int rank_ = 0;
   int size_ = 1;
   std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
+  BackendKind kind_ = BackendKind::gloo;
+  std::uint64_t p2p_bytes_sent_ = 0;
   std::shared_ptr<Group> group_;
+  std::uint64_t issued_ = 0;
 };
 
 }  // namespace accel::comm

@@ -19,6 +19,10 @@ struct SingleProcess {
   static constexpr bool distributed = false;
 };
 
+/// Precision of the gradient all-reduce (Accelerate's DDP communication
+/// hooks): compress to fp16/bf16 on the wire, average, decompress.
+enum class CommHook { none, fp16, bf16 };
+
 /// Data parallel: every rank holds the whole model; gradients are averaged
 /// with bucketed all-reduces that overlap backward (PyTorch's Reducer).
 ///   accel::Trainer<accel::DDP> t{accel::DDP{.bucket_cap_mb = 50}};
@@ -32,6 +36,9 @@ struct DDP {
   /// The set of used parameters never changes: walk the graph once, on the
   /// first step, and reuse the answer.
   bool static_graph = false;
+  /// Send gradients as fp16 or bf16 (halves the bytes; bf16 needs a backend
+  /// that reduces bf16: NCCL, not the Gloo of LibTorch 1.13).
+  CommHook comm_hook = CommHook::none;
 
   template <class Precision, class Device>
   using engine = strategy::DDPEngine<Precision, Device>;

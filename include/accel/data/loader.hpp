@@ -30,6 +30,7 @@ struct LoaderCursor {
   std::int64_t batch = -1;     ///< index within the epoch
   std::int64_t first = 0;      ///< first local position of the batch
   std::int64_t count = 0;      ///< samples in the batch on every rank
+  bool last_in_epoch = false;  ///< gradient accumulation syncs at the end of an epoch
 };
 
 template <batched_dataset Dataset>
@@ -81,7 +82,7 @@ class DataLoader {
   Batch load(const at::Tensor& indices, std::int64_t batch) {
     const std::int64_t first = batch * options_.batch_size;
     const std::int64_t count = std::min(options_.batch_size, indices.size(0) - first);
-    *cursor_ = LoaderCursor{sampler_.get(), sampler_->epoch(), batch, first, count};
+    *cursor_ = LoaderCursor{sampler_.get(), sampler_->epoch(), batch, first, count, batch + 1 == size()};
     Batch b = dataset_.get(indices.slice(0, first, first + count));
     if (b.data.device() != device_) {
       b.data = b.data.to(device_);

@@ -17,6 +17,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -48,7 +49,8 @@ struct DDPEvent {
 namespace detail {
 
 struct DDPBucket {
-  at::Tensor flat;                   // (numel,) the all-reduced buffer
+  at::Tensor flat;                   // (numel,) the gradients; every param's .grad is a view of it
+  at::Tensor wire;                   // (numel,) fp16/bf16 copy sent under a comm hook, else undefined
   std::vector<std::size_t> params;   // indices into the engine's parameter list
   std::size_t pending = 0;           // parameters not yet ready in this backward
   comm::Pending work;
@@ -69,21 +71,27 @@ struct DDPState {
   std::vector<DDPEvent> events;
   std::vector<char> unused;  // from the graph walk; reused every step under static_graph
   bool unused_known = false;
+  bool sync = true;  // false on the non-final micro-steps of gradient accumulation (no_sync)
+
+  // Autograd or the user may have replaced .grad (zero_grad(set_to_none), or
+  // a fresh tensor stolen when .grad was undefined): put the values back into
+  // the bucket and the view back on the parameter.
+  void restore_grad_view(std::size_t i) {
+    at::Tensor& grad = params[i].mutable_grad();
+    if (grad.defined() && grad.is_same(grad_views[i])) return;
+    if (grad.defined()) grad_views[i].copy_(grad);
+    else grad_views[i].zero_();
+    grad = grad_views[i];
+  }
 
   void mark_ready(std::size_t i) {
+    restore_grad_view(i);
+    if (!sync) return;  // accumulate locally; the final micro-step communicates the sum
     if (ready[i])
       throw std::runtime_error("accel DDP: rank " + std::to_string(comm->rank()) + ": parameter '" + names[i] +
                                "' got its gradient twice in one backward (reentrant backward or activation "
                                "checkpointing needs DDP{.static_graph = true} semantics not supported here)");
     ready[i] = 1;
-    at::Tensor& grad = params[i].mutable_grad();
-    if (!grad.defined() || !grad.is_same(grad_views[i])) {
-      // Someone replaced .grad (zero_grad(set_to_none), or autograd stole a
-      // fresh tensor): put the values back into the bucket.
-      if (grad.defined()) grad_views[i].copy_(grad);
-      else grad_views[i].zero_();
-      grad = grad_views[i];
-    }
     if (record) events.push_back({DDPEvent::gradient_ready, i});
     auto& bucket = buckets[bucket_of[i]];
     if (--bucket.pending == 0) launch_ready();
@@ -93,10 +101,11 @@ struct DDPState {
     while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
       auto& bucket = buckets[next_to_launch];
       if (comm->distributed()) {
-        bucket.flat.div_(comm->size());  // pre-divide: Gloo has no AVG
+        bucket.flat.div_(comm->size());  // pre-divide: Gloo has no AVG, and fp16 must not overflow
+        at::Tensor& sent = bucket.wire.defined() ? bucket.wire.copy_(bucket.flat) : bucket.flat;
         bucket.work = comm->all_reduce_async(
-            bucket.flat, "all-reduce of DDP gradient bucket " + std::to_string(next_to_launch) + " (" +
-                             std::to_string(bucket.flat.numel() * bucket.flat.element_size()) + " bytes)");
+            sent, "all-reduce of DDP gradient bucket " + std::to_string(next_to_launch) + " (" +
+                      std::to_string(sent.numel() * sent.element_size()) + " bytes)");
       }
       if (record) events.push_back({DDPEvent::bucket_launched, next_to_launch});
       ++next_to_launch;
@@ -148,12 +157,13 @@ class DDPEngine {
     check_same_model_everywhere(model);
     broadcast_from_rank0(model);
     build_buckets();
+    check_comm_hook_supported();
     register_hooks();
   }
 
   void before_backward(const at::Tensor& loss) {
     auto& s = *state_;
-    if (!s.settings.find_unused_parameters) return;
+    if (!s.sync || !s.settings.find_unused_parameters) return;
     if (!s.unused_known || !s.settings.static_graph) {
       s.unused = find_unused(loss);
       s.unused_known = true;
@@ -174,9 +184,16 @@ class DDPEngine {
                                  "' received no gradient in this step; if some parameters are unused in a step, "
                                  "use DDP{.find_unused_parameters = true}");
       }
-    for (auto& bucket : s.buckets) bucket.work.wait();
+    for (auto& bucket : s.buckets) {
+      bucket.work.wait();
+      if (bucket.wire.defined() && s.comm->distributed()) bucket.flat.copy_(bucket.wire);
+    }
     reset();
   }
+
+  /// Gradient accumulation: with `false`, backward accumulates into the
+  /// buckets without communicating (DDP's no_sync).
+  void set_gradient_sync(bool sync) { state_->sync = sync; }
 
   void zero_grad(torch::optim::Optimizer&) {
     auto& s = *state_;
@@ -227,6 +244,21 @@ class DDPEngine {
                                  std::to_string(all[0][0].item<std::int64_t>()) + " parameters, " +
                                  std::to_string(all[0][1].item<std::int64_t>()) +
                                  " elements): every rank must build the same model");
+  }
+
+  // Gloo in LibTorch 1.13 cannot reduce bf16 (newer ones and NCCL can): ask
+  // the backend once, at prepare, rather than fail in the middle of backward.
+  void check_comm_hook_supported() {
+    auto& s = *state_;
+    if (s.settings.comm_hook != CommHook::bf16 || !s.comm->distributed()) return;
+    auto probe = at::zeros({1}, s.params.front().options().dtype(at::kBFloat16).requires_grad(false));
+    try {
+      s.comm->all_reduce(probe, "bf16 support probe");
+    } catch (const comm::CollectiveError& e) {
+      throw std::runtime_error(std::string("accel DDP: comm_hook = CommHook::bf16, but this backend cannot all-reduce "
+                                           "bf16 tensors (Gloo before LibTorch 2.x): use CommHook::fp16 or "
+                                           "CommHook::none. Backend said: ") + e.what());
+    }
   }
 
   // Rank 0's parameters and buffers everywhere, one broadcast per dtype.
@@ -294,6 +326,9 @@ class DDPEngine {
         s.bucket_of[i] = s.buckets.size();
         offset += p.numel();
       }
+      if (s.settings.comm_hook != CommHook::none)
+        bucket.wire = at::empty({numel}, bucket.flat.options().dtype(
+                                             s.settings.comm_hook == CommHook::fp16 ? at::kHalf : at::kBFloat16));
       bucket.params = members;
       bucket.pending = members.size();
       s.buckets.push_back(std::move(bucket));

@@ -23,6 +23,7 @@ class SingleProcessEngine {
   void prepare_model(torch::nn::Module&) {}
   void before_backward(const at::Tensor&) {}
   void synchronize_gradients() {}
+  void set_gradient_sync(bool) {}
   void zero_grad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
 };
 

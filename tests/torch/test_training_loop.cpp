@@ -1,0 +1,207 @@
+// Gradient accumulation, clipping, LR schedulers and FP16 loss scaling, on
+// real processes and real Gloo where ranks are involved.
+#include <ATen/ops/full.h>
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/sgd.h>
+
+#include <limits>
+
+#include "doctest_torch.hpp"
+
+using namespace accel::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+accel::SpawnOptions bounded() {
+  accel::SpawnOptions options;
+  options.timeout = 90s;
+  return options;
+}
+
+double learning_rate(torch::optim::Optimizer& optimizer) {
+  return optimizer.param_groups().front().options().get_lr();
+}
+
+}  // namespace
+
+TEST_SUITE("loop") {
+  TEST_CASE("accumulating 4 micro-batches on 2 ranks equals one step on the 8x global batch, with no collective "
+            "on the non-final micro-steps") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          const std::int64_t micro = 3, k = 4, world = 2, steps = 3;
+          accel::Trainer<accel::DDP> trainer(accel::DDP{.bucket_cap_mb = 0.0005},
+                                             accel::TrainerOptions{.gradient_accumulation_steps = k});
+          auto net = tiny_mlp(0);
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          trainer.prepare(net, opt);
+          auto reference = tiny_mlp(0);
+          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          for (int step = 0; step < steps; ++step) {
+            // The global batch of this optimizer step: k micro-batches x world ranks x micro samples.
+            auto batch = global_batch(step, micro * world * k);
+            for (int m = 0; m < k; ++m) {
+              const auto before = trainer.communicator().collectives_issued();
+              const std::int64_t first = (m * world + rank) * micro;
+              trainer.step([&] { return loss_of(net, batch.x.narrow(0, first, micro), batch.y.narrow(0, first, micro)); });
+              const auto issued = trainer.communicator().collectives_issued() - before;
+              if (m + 1 < k) {
+                require(!trainer.sync_gradients(), "micro-steps 1..k-1 do not synchronise");
+                require(issued == 0, "no collective on a non-final micro-step, got " + std::to_string(issued));
+              } else {
+                require(trainer.sync_gradients(), "the k-th micro-step synchronises");
+                require(issued > 0, "the final micro-step communicates");
+              }
+            }
+            ref_opt.zero_grad();
+            loss_of(reference, batch.x, batch.y).backward();
+            ref_opt.step();
+          }
+          require(trainer.completed_steps() == steps, "one optimizer step per k micro-steps");
+          const double diff = max_param_diff(*net, *reference);
+          require(diff < 1e-5, "max |accumulated DDP - big batch| = " + std::to_string(diff));
+        },
+        bounded());
+  }
+
+  TEST_CASE("the scheduler steps once per optimizer step: the same learning rate on 1 and 2 ranks, with and "
+            "without accumulation") {
+    // lr 0.1, halved every 2 optimizer steps; 5 optimizer steps -> 0.1 * 0.5^2.
+    auto run = [](int k) {
+      accel::Trainer<accel::DDP> trainer(accel::DDP{}, accel::TrainerOptions{.gradient_accumulation_steps = k});
+      auto net = tiny_mlp(0);
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::StepLR scheduler(opt, 2, 0.5);
+      trainer.prepare(net, opt, scheduler);
+      for (int micro = 0; micro < 5 * k; ++micro) {
+        auto batch = global_batch(micro, 4);
+        trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+      }
+      require(trainer.completed_steps() == 5, "5 optimizer steps");
+      const double lr = learning_rate(opt);
+      require(std::abs(lr - 0.025) < 1e-12, "lr after 5 steps is 0.025, got " + std::to_string(lr));
+    };
+    run(1);  // one process
+    run(3);
+    accel::spawn(2, [&](int) { run(1); run(3); }, bounded());
+  }
+
+  TEST_CASE("clip_grad_norm under DDP clips the global gradient exactly as one process would") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          accel::Trainer<accel::DDP> trainer;
+          auto net = tiny_mlp(0);
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.5));
+          trainer.prepare(net, opt);
+          auto reference = tiny_mlp(0);
+          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.5));
+          for (int step = 0; step < 3; ++step) {
+            auto batch = global_batch(step, 8);
+            trainer.backward(loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4)));
+            const double norm = trainer.clip_grad_norm(0.05);
+            trainer.optimizer_step();
+            trainer.zero_grad();
+            ref_opt.zero_grad();
+            loss_of(reference, batch.x, batch.y).backward();
+            const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
+            ref_opt.step();
+            require(std::abs(norm - ref_norm) < 1e-5, "global norm " + std::to_string(norm) + " vs " + std::to_string(ref_norm));
+            require(norm > 0.05, "the test must actually clip");
+          }
+          require(max_param_diff(*net, *reference) < 1e-5, "clipped DDP equals clipped single process");
+        },
+        bounded());
+  }
+
+  TEST_CASE("clipping on a non-synchronising micro-step is refused with the fix") {
+    accel::Trainer<> trainer(accel::TrainerOptions{.gradient_accumulation_steps = 2});
+    auto net = tiny_mlp(0);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    trainer.prepare(net, opt);
+    auto micro = trainer.accumulate();
+    auto batch = global_batch(0, 4);
+    trainer.backward(loss_of(net, batch.x, batch.y));
+    CHECK_THROWS_WITH(trainer.clip_grad_norm(1.0), doctest::Contains("trainer.sync_gradients()"));
+  }
+
+  TEST_CASE("FP16 loss scaling: an inf gradient on one rank skips the step on every rank and halves the scale; "
+            "growth_interval clean steps double it") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          accel::Trainer<accel::DDP> trainer;
+          auto net = tiny_mlp(0);
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+          trainer.prepare(net, opt);
+          accel::precision::GradScaler scaler(accel::FP16{.init_scale = 1024, .growth_interval = 3});
+          std::vector<at::Tensor> params = net->parameters();
+          // The sequence Trainer<..., FP16, CUDA>::optimizer_step runs, on CPU
+          // (FP16 autocast needs CUDA; the scaler does not).
+          auto step = [&](std::int64_t i, bool plant_inf) {
+            auto batch = global_batch(i, 8);
+            trainer.backward(scaler.scale_loss(loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4))));
+            trainer.strategy_engine().synchronize_gradients();
+            // After the all-reduce: an overflow only this rank sees, as with sharded gradients.
+            if (plant_inf && rank == 1) params[0].mutable_grad()[0][0] = std::numeric_limits<float>::infinity();
+            const bool skipped = scaler.unscale(params, trainer.communicator());
+            if (!skipped) opt.step();
+            scaler.update();
+            trainer.strategy_engine().zero_grad(opt);
+            return skipped;
+          };
+          require(!step(0, false), "a clean step is taken");
+          require(scaler.scale() == 1024, "no growth yet");
+          std::vector<at::Tensor> before;
+          for (auto& p : params) before.push_back(p.detach().clone());
+          require(step(1, true), "rank " + std::to_string(rank) + " skips the step planted on rank 1");
+          for (std::size_t i = 0; i < params.size(); ++i) require(params[i].equal(before[i]), "parameters untouched");
+          require(scaler.scale() == 512, "backed off to 512, got " + std::to_string(scaler.scale()));
+          for (int i = 0; i < 3; ++i) require(!step(2 + i, false), "clean steps are taken");
+          require(scaler.scale() == 1024, "grew back after growth_interval = 3 clean steps");
+          require(scaler.state().growth_tracker == 0, "the tracker restarts");
+        },
+        bounded());
+  }
+
+  TEST_CASE("DDP comm hooks: fp16 on the wire trains like fp32; bf16 is refused where Gloo cannot reduce it") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          accel::Trainer<accel::DDP> trainer(accel::DDP{.comm_hook = accel::CommHook::fp16});
+          auto net = tiny_mlp(0);
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+          trainer.prepare(net, opt);
+          auto reference = tiny_mlp(0);
+          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+          for (int step = 0; step < 4; ++step) {
+            auto batch = global_batch(step, 8);
+            trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4)); });
+            ref_opt.zero_grad();
+            loss_of(reference, batch.x, batch.y).backward();
+            ref_opt.step();
+          }
+          // Tolerance 2e-3: fp16 keeps 11 bits of mantissa of each averaged gradient.
+          const double diff = max_param_diff(*net, *reference);
+          require(diff < 2e-3, "fp16 comm hook drifted by " + std::to_string(diff));
+          require(diff > 0, "the hook really compressed (bits differ from fp32)");
+
+          accel::Trainer<accel::DDP> bf16(accel::DDP{.comm_hook = accel::CommHook::bf16});
+          auto other = tiny_mlp(0);
+          try {
+            bf16.prepare(other);
+          } catch (const std::runtime_error& e) {
+            require(std::string(e.what()).find("use CommHook::fp16") != std::string::npos, e.what());
+            return;  // Gloo of LibTorch 1.13: refused at prepare, with the fix
+          }
+          // A backend that reduces bf16: it must then train.
+          torch::optim::SGD other_opt(other->parameters(), torch::optim::SGDOptions(0.1));
+          bf16.prepare(other_opt);
+          auto batch = global_batch(0, 4);
+          bf16.step([&] { return loss_of(other, batch.x, batch.y); });
+        },
+        bounded());
+  }
+}
