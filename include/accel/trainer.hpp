@@ -10,9 +10,12 @@
 //   for (auto batch : loader)
 //     trainer.step([&] { return loss_fn(model(batch.data), batch.target); });
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
+#include <torch/serialize.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -20,15 +23,19 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <chrono>
+#include <filesystem>
+#include <functional>
 #include <concepts>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
 
+#include "accel/checkpoint/files.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/environment.hpp"
 #include "accel/core/concepts.hpp"
@@ -53,6 +60,10 @@ struct TrainerOptions {
   /// Micro-batches per optimizer step. Unset: ACCELERATE_GRADIENT_ACCUMULATION_STEPS
   /// (what `accel launch --gradient_accumulation_steps` sets), else 1.
   std::optional<int> gradient_accumulation_steps;
+  /// Where `save_state()` without a directory writes: project_dir/checkpoints/checkpoint_<n>.
+  std::filesystem::path project_dir = ".";
+  /// Keep at most this many automatically named checkpoints (0: keep all).
+  int total_limit = 0;
 };
 
 /// Thrown when the launcher's settings contradict the compiled policies.
@@ -145,8 +156,10 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// This rank's shard of `dataset`, batched (DistributedSampler semantics).
   template <data::batched_dataset Dataset>
   data::DataLoader<Dataset> prepare(Dataset dataset, LoaderOptions options) {
+    auto position = std::make_shared<data::LoaderPosition>();
+    loader_positions_.push_back(position);
     return data::DataLoader<Dataset>(std::move(dataset), options, num_processes(), process_index(), device_,
-                                     cursor_);
+                                     cursor_, std::move(position));
   }
 
   // ------------------------------------------------------------ the step
@@ -157,7 +170,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   template <class F>
   at::Tensor step(F&& forward) {
     (void)detail::check_step_function<std::remove_reference_t<F>>::value;
-    auto micro_step = accumulate();
+    [[maybe_unused]] auto micro_step = accumulate();
     at::Tensor loss;
     {
       [[maybe_unused]] auto scope = autocast();
@@ -280,6 +293,104 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
 
   void wait_for_everyone() { comm_.barrier(); }
 
+  // ------------------------------------------------------------ checkpoints
+  /// Saves everything needed to resume exactly (see NOTE [Checkpoint commit]):
+  /// models, optimizer, scheduler, loss scaler, every rank's RNG state, the
+  /// loaders' positions, step counters and registered objects.
+  void save_state(const std::filesystem::path& dir) {
+    namespace fs = std::filesystem;
+    // Rank 0 decides (another rank could see the directory rank 0 just made).
+    const bool replace = main_process_says(fs::exists(dir));
+    const fs::path target = replace ? fs::path(dir.string() + ".staging") : dir;
+    if (is_main_process()) {
+      fs::remove_all(target);
+      fs::create_directories(target);
+    }
+    wait_for_everyone();
+    {
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      std::vector<at::Tensor> rng;
+      {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        rng.push_back(generator.get_state());
+      }
+      torch::save(rng, (target / ("random_states_" + std::to_string(process_index()) + ".pt")).string());
+    }
+    if (is_main_process()) {
+      for (std::size_t i = 0; i < models_.size(); ++i)
+        torch::save(models_[i], (target / ("model_" + std::to_string(i) + ".pt")).string());
+      if (optimizer_ != nullptr) torch::save(*optimizer_, (target / "optimizer.pt").string());
+      for (std::size_t i = 0; i < custom_.size(); ++i) {
+        torch::serialize::OutputArchive archive;
+        custom_[i].save(archive);
+        archive.save_to((target / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string());
+      }
+    }
+    wait_for_everyone();
+    if (is_main_process()) {
+      auto manifest = describe_state();
+      manifest["files"] = checkpoint::file_sizes(target);
+      checkpoint::write_atomically(target / checkpoint::manifest_name, manifest.dump(2));
+      if (replace) {
+        const fs::path old = dir.string() + ".old";
+        fs::remove_all(old);
+        fs::rename(dir, old);
+        fs::rename(target, dir);
+        fs::remove_all(old);
+      }
+    }
+    wait_for_everyone();
+  }
+
+  /// Saves to options.project_dir/checkpoints/checkpoint_<n> (n counts up),
+  /// keeping the newest `total_limit`; returns the directory.
+  std::filesystem::path save_state() {
+    const auto root = options_.project_dir / "checkpoints";
+    auto existing = checkpoint::numbered_checkpoints(root);
+    const long next = existing.empty() ? 0 : existing.back().first + 1;
+    const auto dir = root / ("checkpoint_" + std::to_string(next));
+    save_state(dir);
+    existing.emplace_back(next, dir);
+    if (is_main_process() && options_.total_limit > 0)
+      while (static_cast<int>(existing.size()) > options_.total_limit) {
+        std::filesystem::remove_all(existing.front().second);
+        existing.erase(existing.begin());
+      }
+    wait_for_everyone();
+    return dir;
+  }
+
+  /// Restores a checkpoint written by save_state, on any number of ranks for
+  /// replicated strategies. Every rank checks it; if any rank cannot load it,
+  /// all of them throw, naming the problem.
+  void load_state(const std::filesystem::path& dir) {
+    std::string error;
+    try {
+      load_state_here(dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (comm_.distributed()) {
+      auto failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
+      comm_.all_reduce(failed, "agreement on load_state");
+      if (error.empty() && failed.item<float>() > 0)
+        error = "accel: another rank could not load checkpoint " + dir.string() + " (see its error)";
+    }
+    if (!error.empty()) throw checkpoint::CheckpointError("rank " + std::to_string(process_index()) + ": " + error);
+  }
+
+  /// Saves `object` (anything with `save(OutputArchive&)` and
+  /// `load(InputArchive&)`: a module, an optimizer, ...) with every checkpoint.
+  template <class T>
+    requires requires(T& t, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+      t.save(out);
+      t.load(in);
+    }
+  void register_for_checkpointing(T& object) {
+    custom_.push_back({[&object](torch::serialize::OutputArchive& a) { object.save(a); },
+                       [&object](torch::serialize::InputArchive& a) { object.load(a); }});
+  }
+
   // ------------------------------------------------------------ who am I
   at::Device device() const { return device_; }
   int process_index() const { return world_.rank; }
@@ -370,6 +481,144 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     scaling_.unscale(params_, comm_);
   }
 
+  // A flag as rank 0 sees it, on every rank.
+  bool main_process_says(bool flag) {
+    if (!comm_.distributed()) return flag;
+    auto value = at::full({1}, flag ? 1.0f : 0.0f);
+    comm_.broadcast(value, 0, "broadcast of rank 0's decision");
+    return value.item<float>() != 0.0f;
+  }
+
+  // Module::load would `set_` each parameter to the loaded storage; copying
+  // the values in place keeps every tensor's identity (DDP's gradient hooks
+  // and the optimizer's state refer to them).
+  static void load_in_place(torch::nn::Module& module, torch::serialize::InputArchive& archive) {
+    for (auto& item : module.named_parameters(/*recurse=*/false)) {
+      at::Tensor saved;
+      archive.read(item.key(), saved);
+      item.value().copy_(saved);
+    }
+    for (auto& item : module.named_buffers(/*recurse=*/false)) {
+      at::Tensor saved;
+      archive.read(item.key(), saved, /*is_buffer=*/true);
+      item.value().copy_(saved);
+    }
+    for (auto& child : module.named_children()) {
+      torch::serialize::InputArchive sub;
+      archive.read(child.key(), sub);
+      load_in_place(*child.value(), sub);
+    }
+  }
+
+  nlohmann::json describe_state() const {
+    nlohmann::json m;
+    m["format_version"] = checkpoint::format_version;
+    m["world_size"] = num_processes();
+    m["replicated"] = true;
+    m["mixed_precision"] = Precision::name;
+    m["optimizer_steps"] = optimizer_steps_;
+    m["micro_steps"] = micro_steps_;
+    m["scheduler_steps"] = scheduler_steps_;
+    m["loss_scale"] = scaling_.state().scale;
+    m["growth_tracker"] = scaling_.state().growth_tracker;
+    m["has_optimizer"] = optimizer_ != nullptr;
+    m["custom_objects"] = custom_.size();
+    m["models"] = nlohmann::json::array();
+    for (const auto& model : models_) {
+      nlohmann::json shapes = nlohmann::json::object();
+      for (const auto& item : model->named_parameters()) shapes[item.key()] = item.value().sizes().vec();
+      m["models"].push_back(shapes);
+    }
+    m["loaders"] = nlohmann::json::array();
+    for (const auto& weak : loader_positions_) {
+      auto position = weak.lock();
+      if (!position) continue;
+      m["loaders"].push_back({{"epoch", position->epoch}, {"next_batch", position->next_batch},
+                              {"batch_size", position->batch_size}});
+    }
+    return m;
+  }
+
+  void load_state_here(const std::filesystem::path& dir) {
+    namespace fs = std::filesystem;
+    const auto m = checkpoint::read_manifest(dir);
+    const auto where = "accel: checkpoint " + dir.string() + ": ";
+    if (m.at("models").size() != models_.size())
+      throw checkpoint::CheckpointError(where + "holds " + std::to_string(m.at("models").size()) +
+                                        " model(s) but " + std::to_string(models_.size()) + " were prepared");
+    for (std::size_t i = 0; i < models_.size(); ++i) {
+      const auto& saved = m.at("models")[i];
+      for (const auto& item : models_[i]->named_parameters()) {
+        if (!saved.contains(item.key()))
+          throw checkpoint::CheckpointError(where + "model " + std::to_string(i) + " has no parameter '" + item.key() + "'");
+        const auto shape = saved.at(item.key()).get<std::vector<std::int64_t>>();
+        if (shape != item.value().sizes().vec())
+          throw checkpoint::CheckpointError(where + "parameter '" + item.key() + "' has shape " +
+                                            saved.at(item.key()).dump() + " in the checkpoint but " +
+                                            c10::str(item.value().sizes()) + " in the prepared model");
+      }
+    }
+    if (m.value("mixed_precision", "") != std::string(Precision::name) && std::string(Precision::name) == "fp16")
+      throw checkpoint::CheckpointError(where + "was written without FP16 loss scaling; this Trainer is FP16");
+    const std::int64_t saved_scheduler_steps = m.at("scheduler_steps").get<std::int64_t>();
+    if (scheduler_ != nullptr && scheduler_steps_ > saved_scheduler_steps)
+      throw checkpoint::CheckpointError(where + "call load_state before training: the scheduler has already stepped");
+    // Restoring must not be recorded by autograd, and must write in place
+    // (DDP's gradient views and the optimizer refer to these tensors).
+    c10::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < models_.size(); ++i) {
+      torch::serialize::InputArchive archive;
+      archive.load_from((dir / ("model_" + std::to_string(i) + ".pt")).string());
+      load_in_place(*models_[i], archive);
+    }
+    // LibTorch's LRScheduler exposes no state: replay its steps (the
+    // optimizer's learning rates are then overwritten by the saved ones).
+    if (scheduler_ != nullptr)
+      for (; scheduler_steps_ < saved_scheduler_steps; ++scheduler_steps_) scheduler_->step();
+    if (optimizer_ != nullptr) {
+      if (!m.value("has_optimizer", false))
+        throw checkpoint::CheckpointError(where + "holds no optimizer state, but an optimizer was prepared");
+      torch::load(*optimizer_, (dir / "optimizer.pt").string());
+    }
+    if (m.at("custom_objects").get<std::size_t>() != custom_.size())
+      throw checkpoint::CheckpointError(where + "holds " + m.at("custom_objects").dump() +
+                                        " registered object(s) but " + std::to_string(custom_.size()) +
+                                        " are registered");
+    for (std::size_t i = 0; i < custom_.size(); ++i) {
+      torch::serialize::InputArchive archive;
+      archive.load_from((dir / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string());
+      custom_[i].load(archive);
+    }
+    scaling_.load_state({m.at("loss_scale").get<double>(), m.at("growth_tracker").get<std::int64_t>()});
+    // Each rank its own RNG stream; on more ranks than saved, rank r takes r mod saved.
+    const int saved_world = m.at("world_size").get<int>();
+    {
+      std::vector<at::Tensor> rng;
+      torch::load(rng, (dir / ("random_states_" + std::to_string(process_index() % saved_world) + ".pt")).string());
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(rng.at(0));
+    }
+    // Data position: in samples read by all ranks together, so that a run
+    // resumed on another number of ranks skips what the whole job had read.
+    std::size_t k = 0;
+    for (const auto& weak : loader_positions_) {
+      auto position = weak.lock();
+      if (!position) continue;
+      if (k >= m.at("loaders").size())
+        throw checkpoint::CheckpointError(where + "holds the position of " + std::to_string(m.at("loaders").size()) +
+                                          " data loader(s) but more were prepared");
+      const auto& saved = m.at("loaders")[k++];
+      const std::int64_t read = saved.at("next_batch").get<std::int64_t>() *
+                                saved.at("batch_size").get<std::int64_t>() * saved_world;
+      position->epoch = saved.at("epoch").get<std::int64_t>();
+      position->skip = read / (position->batch_size * num_processes());
+      position->next_batch = position->skip;
+    }
+    optimizer_steps_ = m.at("optimizer_steps").get<std::int64_t>();
+    micro_steps_ = m.at("micro_steps").get<int>();
+  }
+
   torch::optim::Optimizer& require_optimizer() {
     if (optimizer_ == nullptr)
       throw std::logic_error("accel: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
@@ -395,6 +644,12 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
   torch::optim::Optimizer* optimizer_ = nullptr;
   torch::optim::LRScheduler* scheduler_ = nullptr;
+  struct CustomObject {
+    std::function<void(torch::serialize::OutputArchive&)> save;
+    std::function<void(torch::serialize::InputArchive&)> load;
+  };
+  std::vector<CustomObject> custom_;
+  std::vector<std::weak_ptr<data::LoaderPosition>> loader_positions_;
   std::shared_ptr<data::LoaderCursor> cursor_ = std::make_shared<data::LoaderCursor>();
 };
 

@@ -142,6 +142,7 @@ class Communicator {
   /// Point-to-point send of a contiguous tensor to rank `dst`. c10d's send
   /// takes no options, so the timeout is applied when the result is waited on.
   Pending send_async(const at::Tensor& tensor, int dst, int tag, std::string what) {
+    ++issued_;
     std::vector<at::Tensor> tensors{tensor};
     auto work = backend().send(tensors, dst, tag);
     p2p_bytes_sent_ += static_cast<std::uint64_t>(tensor.numel()) * tensor.element_size();
@@ -150,8 +151,30 @@ class Communicator {
 
   /// Point-to-point receive into `tensor` (contiguous, of the sent size) from rank `src`.
   Pending recv_async(at::Tensor& tensor, int src, int tag, std::string what) {
+    ++issued_;
     std::vector<at::Tensor> tensors{tensor};
     return {backend().recv(tensors, src, tag), std::move(what), rank_, timeout_};
+  }
+
+  /// Native flat reduce-scatter (sum): `input` holds size() equal shards of
+  /// `output`'s length, rank r receives the sum of shard r. NCCL has it; Gloo
+  /// in LibTorch 1.13 does not (see comm/collectives.hpp). 1.13 and 2.x both
+  /// call it _reduce_scatter_base (Python's reduce_scatter_tensor).
+  Pending reduce_scatter_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
+    ++issued_;
+    c10d::ReduceScatterOptions options;  // reduceOp defaults to SUM (a struct in 2.x, an enum in 1.13)
+    options.timeout = timeout_;
+    return {backend()._reduce_scatter_base(output, input, options), std::move(what), rank_};
+  }
+
+  /// Native flat all-gather: `output` is size() copies of `input`'s length,
+  /// filled in rank order. NCCL has it; Gloo in LibTorch 1.13 does not. Named
+  /// _allgather_base in 1.13 and 2.x (Python's all_gather_into_tensor).
+  Pending all_gather_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
+    ++issued_;
+    c10d::AllgatherOptions options;
+    options.timeout = timeout_;
+    return {backend()._allgather_base(output, input, options), std::move(what), rank_};
   }
 
   /// Bytes this communicator has handed to `send_async` so far: lets tests

@@ -33,23 +33,41 @@ struct LoaderCursor {
   bool last_in_epoch = false;  ///< gradient accumulation syncs at the end of an epoch
 };
 
+/// A loader's place in its data, saved in checkpoints so a resumed run reads
+/// exactly the batches the interrupted one had not read yet.
+struct LoaderPosition {
+  std::int64_t epoch = 0;
+  std::int64_t next_batch = 0;   ///< batches served in `epoch` so far
+  std::int64_t skip = 0;         ///< batches to skip on the next pass over `epoch` (set by load_state)
+  std::int64_t batch_size = 1;
+};
+
 template <batched_dataset Dataset>
 class DataLoader {
  public:
   DataLoader(Dataset dataset, LoaderOptions options, int world_size, int rank, at::Device device,
-             std::shared_ptr<LoaderCursor> cursor)
+             std::shared_ptr<LoaderCursor> cursor, std::shared_ptr<LoaderPosition> position)
       : dataset_(std::move(dataset)),
         options_(options),
         sampler_(std::make_unique<DistributedSampler>(
             dataset_.size(), world_size, rank, SamplerOptions{options.shuffle, options.seed, false})),
         device_(device),
-        cursor_(std::move(cursor)) {
+        cursor_(std::move(cursor)),
+        position_(std::move(position)) {
     if (options.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
+    position_->batch_size = options.batch_size;
   }
 
-  /// Reshuffle for `epoch` (same permutation on every rank).
-  void set_epoch(std::int64_t epoch) { sampler_->set_epoch(epoch); }
-  std::int64_t epoch() const { return sampler_->epoch(); }
+  /// Reshuffle for `epoch` (same permutation on every rank). After
+  /// load_state the loader is already at the saved epoch.
+  void set_epoch(std::int64_t epoch) {
+    if (epoch != position_->epoch) {
+      position_->epoch = epoch;
+      position_->next_batch = 0;
+      position_->skip = 0;
+    }
+  }
+  std::int64_t epoch() const { return position_->epoch; }
 
   /// Batches per epoch on this rank (the same on every rank).
   std::int64_t size() const {
@@ -75,7 +93,15 @@ class DataLoader {
     std::int64_t batch_ = 0;
   };
 
-  iterator begin() { return iterator(this, sampler_->indices(), 0); }
+  /// Starts a pass over the current epoch; after load_state, past the
+  /// batches the interrupted run had already read (skip_first_batches).
+  iterator begin() {
+    sampler_->set_epoch(position_->epoch);
+    const std::int64_t first = std::min(position_->skip, size());
+    position_->skip = 0;
+    position_->next_batch = first;
+    return iterator(this, sampler_->indices(), first);
+  }
   iterator end() { return iterator(this, {}, size()); }
 
  private:
@@ -83,6 +109,7 @@ class DataLoader {
     const std::int64_t first = batch * options_.batch_size;
     const std::int64_t count = std::min(options_.batch_size, indices.size(0) - first);
     *cursor_ = LoaderCursor{sampler_.get(), sampler_->epoch(), batch, first, count, batch + 1 == size()};
+    position_->next_batch = batch + 1;
     Batch b = dataset_.get(indices.slice(0, first, first + count));
     if (b.data.device() != device_) {
       b.data = b.data.to(device_);
@@ -96,6 +123,7 @@ class DataLoader {
   std::unique_ptr<DistributedSampler> sampler_;  // stable address: the cursor points at it
   at::Device device_;
   std::shared_ptr<LoaderCursor> cursor_;
+  std::shared_ptr<LoaderPosition> position_;
 };
 
 }  // namespace accel::data

@@ -21,6 +21,8 @@ class LossScaling {
   bool unscale(const std::vector<at::Tensor>&, comm::Communicator&) { return false; }
   void update() {}
   double scale() const { return 1.0; }
+  ScalerState state() const { return {1.0, 0}; }
+  void load_state(const ScalerState&) {}
 };
 
 template <>
@@ -31,6 +33,8 @@ class LossScaling<FP16> {
   bool unscale(const std::vector<at::Tensor>& params, comm::Communicator& comm) { return scaler_.unscale(params, comm); }
   void update() { scaler_.update(); }
   double scale() const { return scaler_.scale(); }
+  ScalerState state() const { return scaler_.state(); }
+  void load_state(const ScalerState& state) { scaler_.load_state(state); }
   GradScaler& scaler() { return scaler_; }
 
  private:

@@ -1,0 +1,241 @@
+// DDP training throughput of accel::Trainer<accel::DDP>, with per-phase timing.
+//
+//   ./build/tools/accel launch --num_processes 2 ./build/bench/ddp_throughput [flags]
+//   ./build/bench/ddp_throughput [flags]            # one process: the compute-only reference
+//
+// Flags (all optional):
+//   --steps N                timed steps (default 60)
+//   --warmup N               untimed steps first (default 10)
+//   --batch N                samples per process and step (default 64)
+//   --widths a,b,c,...       MLP layer widths (default 512,1024,1024,1024,10)
+//   --bucket_cap_mb X        DDP{.bucket_cap_mb} (default: accel's, 25)
+//   --first_bucket_cap_mb X  DDP{.first_bucket_cap_mb} (default: accel's, 1)
+//   --plain 1                time trainer.step() as one block (no phase split)
+//   --comm_probe K           afterwards, K rounds of the same bucket all-reduces
+//                            without any compute (communication floor)
+//   --tag NAME               label on the RESULT line
+//
+// Rank 0 prints one machine-readable line:
+//   RESULT tag=NAME world=W global_samples_per_s=X steps_per_s=Y
+// Every rank prints its phase times (median ms per step).
+//
+// The phases split Trainer::step exactly as it runs it (trainer.hpp):
+// forward (under the precision's autocast scope), trainer.backward(loss),
+// engine.synchronize_gradients() (waiting for the bucket all-reduces that
+// backward launched), optimizer.step(), trainer.zero_grad().
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <torch/optim/sgd.h>
+
+#include <accel/trainer.hpp>
+
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+
+// CPU time (ms) of the whole process (every thread: compute, Gloo's workers
+// and its socket loop) or of the calling thread only.
+double cpu_ms(clockid_t clock) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+std::string flag(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == "--" + name) return argv[i + 1];
+  return fallback;
+}
+
+std::vector<std::int64_t> parse_widths(const std::string& s) {
+  std::vector<std::int64_t> out;
+  std::stringstream in(s);
+  for (std::string part; std::getline(in, part, ',');) out.push_back(std::stoll(part));
+  return out;
+}
+
+struct Stats {
+  double median, p90, max, mean;
+};
+Stats stats_of(std::vector<double> v) {
+  if (v.empty()) return {0, 0, 0, 0};
+  std::sort(v.begin(), v.end());
+  double sum = 0;
+  for (double x : v) sum += x;
+  return {v[v.size() / 2], v[std::min(v.size() - 1, v.size() * 9 / 10)], v.back(), sum / v.size()};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench::one_thread();
+  const int steps = std::stoi(flag(argc, argv, "steps", "60"));
+  const int warmup = std::stoi(flag(argc, argv, "warmup", "10"));
+  const std::int64_t batch = std::stoll(flag(argc, argv, "batch", "64"));
+  const auto widths = parse_widths(flag(argc, argv, "widths", "512,1024,1024,1024,10"));
+  const bool plain = flag(argc, argv, "plain", "0") == "1";
+  const int comm_probe = std::stoi(flag(argc, argv, "comm_probe", "0"));
+  const std::string tag = flag(argc, argv, "tag", "accel_ddp");
+
+  accel::DDP settings;
+  settings.bucket_cap_mb = std::stod(flag(argc, argv, "bucket_cap_mb", std::to_string(settings.bucket_cap_mb)));
+  settings.first_bucket_cap_mb =
+      std::stod(flag(argc, argv, "first_bucket_cap_mb", std::to_string(settings.first_bucket_cap_mb)));
+
+  accel::Trainer<accel::DDP> trainer{settings};
+  trainer.set_seed(0);
+  bench::MLP model(widths);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01));
+  trainer.prepare(model, optimizer);
+  auto& engine = trainer.strategy_engine();
+
+  // Bucket layout, as the engine built it.
+  std::map<std::string, std::int64_t> numel_of;
+  for (auto& item : model->named_parameters()) numel_of[item.key()] = item.value().numel();
+  std::vector<std::int64_t> bucket_numel;
+  std::ostringstream layout;
+  for (std::size_t b = 0; b < engine.bucket_count(); ++b) {
+    std::int64_t n = 0;
+    for (auto& name : engine.bucket_parameters(b)) n += numel_of.at(name);
+    bucket_numel.push_back(n);
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s%.2f", b ? " " : "", n * 4.0 / (1024.0 * 1024.0));
+    layout << buf;
+  }
+  trainer.print("model", model->parameters().size(), "tensors, buckets (MiB):", layout.str(), "| bucket_cap_mb",
+                settings.bucket_cap_mb, "first_bucket_cap_mb", settings.first_bucket_cap_mb);
+
+  // Synthetic data, different on every rank (as a sharded loader would give).
+  const auto batches = bench::make_batches(8, batch, widths.front(), widths.back(), 1000 + trainer.process_index());
+
+  std::vector<double> t_fwd, t_bwd, t_sync, t_opt, t_zero, t_total;
+  auto run_step = [&](int i, bool record) {
+    const auto& b = batches[i % batches.size()];
+    const auto t0 = Clock::now();
+    if (plain) {
+      trainer.step([&] { return bench::loss_of(model, b); });
+      if (record) t_total.push_back(ms_since(t0));
+      return;
+    }
+    at::Tensor loss;
+    {
+      [[maybe_unused]] auto scope = trainer.autocast();
+      loss = bench::loss_of(model, b);
+    }
+    const auto t1 = Clock::now();
+    trainer.backward(loss);
+    const auto t2 = Clock::now();
+    engine.synchronize_gradients();  // = the first half of trainer.optimizer_step()
+    const auto t3 = Clock::now();
+    optimizer.step();  // = its second half
+    const auto t4 = Clock::now();
+    trainer.zero_grad();
+    const auto t5 = Clock::now();
+    if (!record) return;
+    auto d = [](auto a, auto c) { return std::chrono::duration<double, std::milli>(c - a).count(); };
+    t_fwd.push_back(d(t0, t1));
+    t_bwd.push_back(d(t1, t2));
+    t_sync.push_back(d(t2, t3));
+    t_opt.push_back(d(t3, t4));
+    t_zero.push_back(d(t4, t5));
+    t_total.push_back(d(t0, t5));
+  };
+
+  for (int i = 0; i < warmup; ++i) run_step(i, false);
+  trainer.wait_for_everyone();
+  const double process_cpu0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID), thread_cpu0 = cpu_ms(CLOCK_THREAD_CPUTIME_ID);
+  const auto start = Clock::now();
+  for (int i = 0; i < steps; ++i) run_step(i, true);
+  const double mine = ms_since(start) / 1000.0;
+  const double process_cpu = (cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - process_cpu0) / steps;
+  const double main_cpu = (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread_cpu0) / steps;
+  trainer.wait_for_everyone();
+
+  const auto all = trainer.gather(at::tensor(std::vector<double>{mine}));
+  const double slowest = all.max().item<double>();
+  const double samples = static_cast<double>(steps) * batch * trainer.num_processes();
+
+  char line[4096];
+  if (plain) {
+    auto s = stats_of(t_total);
+    std::snprintf(line, sizeof line, "[process %d] step ms: median %.1f p90 %.1f max %.1f mean %.1f\n",
+                  trainer.process_index(), s.median, s.p90, s.max, s.mean);
+  } else {
+    auto f = stats_of(t_fwd), bw = stats_of(t_bwd), sy = stats_of(t_sync), op = stats_of(t_opt),
+         z = stats_of(t_zero), tt = stats_of(t_total);
+    std::snprintf(line, sizeof line,
+                  "[process %d] per-step ms (median/mean): forward %.1f/%.1f backward %.1f/%.1f "
+                  "sync_wait %.1f/%.1f (p90 %.1f max %.1f) optimizer %.1f/%.1f zero_grad %.1f/%.1f total %.1f/%.1f\n",
+                  trainer.process_index(), f.median, f.mean, bw.median, bw.mean, sy.median, sy.mean, sy.p90, sy.max,
+                  op.median, op.mean, z.median, z.mean, tt.median, tt.mean);
+  }
+  std::fputs(line, stdout);
+  std::printf("[process %d] CPU ms per step: whole process %.1f, training thread %.1f, other threads (Gloo) %.1f; "
+              "wall %.1f\n",
+              trainer.process_index(), process_cpu, main_cpu, process_cpu - main_cpu, 1e3 * mine / steps);
+  std::fflush(stdout);
+  trainer.wait_for_everyone();
+  if (trainer.is_main_process())
+    std::printf("RESULT tag=%s world=%d global_samples_per_s=%.1f steps_per_s=%.2f\n", tag.c_str(),
+                trainer.num_processes(), samples / slowest, steps / slowest);
+  std::fflush(stdout);
+
+  // Communication floor: the same bucket all-reduces (persistent buffers,
+  // launched back to back as backward would), with no compute at all.
+  if (comm_probe > 0 && trainer.num_processes() > 1) {
+    auto& comm = trainer.communicator();
+    std::vector<at::Tensor> flats;
+    for (auto n : bucket_numel) flats.push_back(at::randn({n}));
+    std::vector<double> round_ms, round_cpu_ms;
+    std::vector<std::vector<double>> single_ms(flats.size());
+    for (int k = 0; k < comm_probe + 2; ++k) {
+      trainer.wait_for_everyone();
+      const double c0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID);
+      auto t = Clock::now();
+      std::vector<accel::comm::Pending> work;
+      for (auto& f : flats) work.push_back(comm.all_reduce_async(f, "probe"));
+      for (auto& w : work) w.wait();
+      if (k >= 2) round_ms.push_back(ms_since(t));
+      if (k >= 2) round_cpu_ms.push_back(cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - c0);
+      for (std::size_t b = 0; b < flats.size(); ++b) {  // each bucket alone, synchronously
+        trainer.wait_for_everyone();
+        auto tb = Clock::now();
+        comm.all_reduce(flats[b], "probe");
+        if (k >= 2) single_ms[b].push_back(ms_since(tb));
+      }
+    }
+    auto r = stats_of(round_ms), rc = stats_of(round_cpu_ms);
+    std::ostringstream per_bucket;
+    for (std::size_t b = 0; b < flats.size(); ++b) {
+      auto s = stats_of(single_ms[b]);
+      char buf[128];
+      std::snprintf(buf, sizeof buf, " b%zu(%.2fMiB) %.1f/%.1f/%.1f", b, bucket_numel[b] * 4.0 / 1048576.0, s.median,
+                    s.p90, s.max);
+      per_bucket << buf;
+    }
+    std::snprintf(line, sizeof line,
+                  "[process %d] comm probe, no compute, %d rounds: all buckets back to back ms median %.1f p90 %.1f "
+                  "max %.1f mean %.1f (process CPU ms median %.1f mean %.1f) | each bucket alone median/p90/max:%s\n",
+                  trainer.process_index(), comm_probe, r.median, r.p90, r.max, r.mean, rc.median, rc.mean,
+                  per_bucket.str().c_str());
+    std::fputs(line, stdout);
+    std::fflush(stdout);
+    trainer.wait_for_everyone();
+  }
+  return EXIT_SUCCESS;
+}

@@ -1,0 +1,107 @@
+#pragma once
+// The file layer of a checkpoint directory (torch-free):
+//
+// NOTE [Checkpoint commit]
+// Every rank writes its own files into the checkpoint directory; after a
+// barrier, rank 0 writes `manifest.json` (its size and the size of every
+// file, the world size, the step, ...) to a temporary name and renames it
+// into place. The rename is the commit: a directory without a manifest is an
+// interrupted save, and load_state refuses it. Saving over an existing
+// checkpoint goes through a staging directory that replaces the old one only
+// once complete, so a crash never destroys the last good checkpoint.
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <vector>
+
+namespace accel::checkpoint {
+
+namespace fs = std::filesystem;
+
+/// A checkpoint that is missing, incomplete, corrupt or does not fit.
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+inline constexpr const char* manifest_name = "manifest.json";
+inline constexpr int format_version = 1;
+
+/// Writes `text` to `path` atomically: temp file, flush, rename.
+inline void write_atomically(const fs::path& path, const std::string& text) {
+  const fs::path temp = path.string() + ".tmp";
+  {
+    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) throw CheckpointError("accel: could not write " + temp.string());
+  }
+  fs::rename(temp, path);
+}
+
+/// The manifest of a complete checkpoint, checked against the files present.
+inline nlohmann::json read_manifest(const fs::path& dir) {
+  if (!fs::is_directory(dir)) throw CheckpointError("accel: checkpoint " + dir.string() + " does not exist");
+  const fs::path manifest = dir / manifest_name;
+  if (!fs::exists(manifest))
+    throw CheckpointError("accel: checkpoint " + dir.string() +
+                          " is incomplete: it has no manifest.json (the save was interrupted); load an earlier "
+                          "checkpoint");
+  nlohmann::json m;
+  try {
+    std::ifstream in(manifest);
+    m = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw CheckpointError("accel: checkpoint " + dir.string() + ": manifest.json is not valid JSON: " + e.what());
+  }
+  if (m.value("format_version", 0) != format_version)
+    throw CheckpointError("accel: checkpoint " + dir.string() + " has format version " +
+                          std::to_string(m.value("format_version", 0)) + "; this accel reads version " +
+                          std::to_string(format_version));
+  for (const auto& [name, size] : m.at("files").items()) {
+    const fs::path file = dir / name;
+    std::error_code ec;
+    const auto actual = fs::file_size(file, ec);
+    if (ec)
+      throw CheckpointError("accel: checkpoint " + dir.string() + " is corrupt: " + name + " is missing");
+    if (actual != size.get<std::uintmax_t>())
+      throw CheckpointError("accel: checkpoint " + dir.string() + " is corrupt: " + name + " has " +
+                            std::to_string(actual) + " bytes, the manifest says " +
+                            std::to_string(size.get<std::uintmax_t>()));
+  }
+  return m;
+}
+
+/// Sizes of the files in `dir` (all but the manifest), for the manifest.
+inline nlohmann::json file_sizes(const fs::path& dir) {
+  nlohmann::json files = nlohmann::json::object();
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.is_regular_file() && entry.path().filename() != manifest_name &&
+        entry.path().extension() != ".tmp")
+      files[entry.path().filename().string()] = entry.file_size();
+  return files;
+}
+
+/// `checkpoint_<n>` folders under `root`, oldest first.
+inline std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::path& root) {
+  std::vector<std::pair<long, fs::path>> found;
+  if (!fs::is_directory(root)) return found;
+  static const std::regex pattern("checkpoint_([0-9]+)");
+  for (const auto& entry : fs::directory_iterator(root)) {
+    std::smatch match;
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory() && std::regex_match(name, match, pattern)) found.emplace_back(std::stol(match[1]), entry.path());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+}  // namespace accel::checkpoint

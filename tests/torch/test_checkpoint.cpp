@@ -1,0 +1,262 @@
+// save_state / load_state: exact resume, resharding to other world sizes,
+// atomic commit under SIGKILL, and clear rejection of bad checkpoints.
+#include <ATen/ops/randn_like.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/schedulers/step_lr.h>
+
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "doctest_torch.hpp"
+
+using namespace accel::testing;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path fresh_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("accel_ckpt_" + std::to_string(::getpid()) + "_" + name);
+  fs::remove_all(dir);
+  return dir;
+}
+
+accel::SpawnOptions bounded() {
+  accel::SpawnOptions options;
+  options.timeout = 120s;
+  return options;
+}
+
+accel::data::TensorDataset dataset(std::int64_t n) {
+  auto batch = global_batch(12345, n);
+  return {batch.x, batch.y};
+}
+
+// Trains until `stop` optimizer steps (or the end of `epochs`), starting
+// wherever the loader is (after load_state: mid-epoch). Random noise on the
+// inputs makes the result depend on the RNG state too.
+template <class Trainer, class Loader>
+void train_until(Trainer& trainer, torch::nn::Sequential& net, Loader& loader, std::int64_t stop, int epochs = 3) {
+  for (auto epoch = loader.epoch(); epoch < epochs; ++epoch) {
+    loader.set_epoch(epoch);
+    for (auto batch : loader) {
+      trainer.step([&] { return loss_of(net, batch.data + 0.01 * at::randn_like(batch.data), batch.target); });
+      if (trainer.completed_steps() == stop) return;
+    }
+  }
+}
+
+// Parameters and Adam state bitwise equal.
+void require_identical(torch::nn::Sequential& a, torch::optim::Adam& oa, torch::nn::Sequential& b,
+                       torch::optim::Adam& ob) {
+  auto pa = a->parameters(), pb = b->parameters();
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    require(pa[i].equal(pb[i]), "parameter " + std::to_string(i) + " bitwise equal");
+    auto& sa = static_cast<torch::optim::AdamParamState&>(*oa.state().at(c10::guts::to_string(pa[i].unsafeGetTensorImpl())));
+    auto& sb = static_cast<torch::optim::AdamParamState&>(*ob.state().at(c10::guts::to_string(pb[i].unsafeGetTensorImpl())));
+    require(sa.step() == sb.step(), "Adam step count");
+    require(sa.exp_avg().equal(sb.exp_avg()) && sa.exp_avg_sq().equal(sb.exp_avg_sq()), "Adam moments bitwise equal");
+  }
+}
+
+// The same run, interrupted after `k` steps and resumed from its checkpoint,
+// against one uninterrupted run to `n` steps.
+template <class Strategy>
+void interrupted_equals_uninterrupted(const fs::path& dir, std::int64_t k, std::int64_t n) {
+  auto run = [&](std::int64_t stop, bool resume) {
+    accel::Trainer<Strategy> trainer;
+    trainer.set_seed(1);
+    auto net = tiny_mlp(0);
+    auto opt = std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-2));
+    trainer.prepare(net, *opt);
+    auto loader = trainer.prepare(dataset(50), {.batch_size = 4, .shuffle = true, .seed = 9});
+    if (resume) trainer.load_state(dir);
+    train_until(trainer, net, loader, stop);
+    if (!resume) trainer.save_state(dir);
+    return std::make_pair(net, opt);
+  };
+  run(k, false);  // stops after step k and saves
+  auto [resumed, resumed_opt] = run(n, true);
+  auto [straight, straight_opt] = run(n, false);
+  require_identical(resumed, *resumed_opt, straight, *straight_opt);
+}
+
+}  // namespace
+
+TEST_SUITE("checkpoint") {
+  TEST_CASE("exact resume, one process: interrupted after step k, resumed to n, bitwise equal to an "
+            "uninterrupted run (model, Adam state, data order, RNG)") {
+    const auto dir = fresh_dir("single");
+    accel::spawn(1, [&](int) { interrupted_equals_uninterrupted<accel::SingleProcess>(dir, 5, 20); }, bounded());
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("exact resume, 2-rank DDP: bitwise equal to an uninterrupted run") {
+    const auto dir = fresh_dir("ddp");
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::DDP>(dir, 5, 12); }, bounded());
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("a checkpoint saved on 2 ranks resumes on 1 and on 3 ranks and matches the reference") {
+    // Per-rank batch b; steps 0..k-1 on 2 ranks, then k..n-1 on M ranks. The
+    // reference is one process on the same sequence of global batches.
+    const std::int64_t b = 4, k = 3, n = 6;
+    const auto dir = fresh_dir("reshard");
+    auto train = [&](int rank, int world, std::int64_t from, std::int64_t to, bool load, bool save) {
+      accel::Trainer<accel::DDP> trainer;
+      auto net = tiny_mlp(0);
+      torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+      trainer.prepare(net, opt);
+      if (load) trainer.load_state(dir);
+      for (auto step = from; step < to; ++step) {
+        auto batch = global_batch(step, b * world);
+        trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
+      }
+      if (save) trainer.save_state(dir);
+      return net;
+    };
+    accel::spawn(2, [&](int rank) { train(rank, 2, 0, k, false, true); }, bounded());
+    for (int world : {1, 3}) {
+      CAPTURE(world);
+      accel::spawn(
+          world,
+          [&](int rank) {
+            auto net = train(rank, world, k, n, true, false);
+            auto reference = tiny_mlp(0);
+            torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
+            for (std::int64_t step = 0; step < n; ++step) {
+              auto batch = global_batch(step, b * (step < k ? 2 : world));
+              ref_opt.zero_grad();
+              loss_of(reference, batch.x, batch.y).backward();
+              ref_opt.step();
+            }
+            const double diff = max_param_diff(*net, *reference);
+            require(diff < 1e-5, "resumed on " + std::to_string(world) + " ranks: diff " + std::to_string(diff));
+          },
+          bounded());
+    }
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("a save killed midway leaves the previous checkpoint loadable and the broken one rejected") {
+    const auto first = fresh_dir("good"), second = fresh_dir("killed"), marker = fresh_dir("marker");
+    auto make_big = [] {
+      at::manual_seed(3);
+      return torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Linear(2048, 2048),
+                                   torch::nn::Linear(2048, 2048));
+    };
+    std::fflush(nullptr);
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      accel::launch::become_supervised_child();
+      accel::Trainer<> trainer;
+      auto net = make_big();
+      torch::optim::Adam opt(net->parameters());
+      trainer.prepare(net, opt);
+      auto x = at::randn({2, 2048});
+      trainer.step([&] { return net->forward(x).sum(); });
+      trainer.save_state(first);
+      std::ofstream(marker) << "first saved";
+      trainer.step([&] { return net->forward(x).sum(); });
+      trainer.save_state(second);  // killed while writing this
+      ::_exit(0);
+    }
+    // Kill the child as soon as the second save has started writing.
+    bool killed = false;
+    for (int i = 0; i < 6000 && !killed; ++i) {
+      if (fs::exists(marker) && fs::exists(second / "model_0.pt")) {
+        ::kill(child, SIGKILL);
+        killed = true;
+      } else {
+        std::this_thread::sleep_for(5ms);
+      }
+    }
+    if (!killed) ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    REQUIRE(killed);
+    REQUIRE_MESSAGE(!fs::exists(second / "manifest.json"), "the save finished before the kill: the test proved nothing");
+
+    accel::Trainer<> trainer;
+    auto net = make_big();
+    torch::optim::Adam opt(net->parameters());
+    trainer.prepare(net, opt);
+    CHECK_THROWS_WITH_AS(trainer.load_state(second), doctest::Contains("is incomplete: it has no manifest.json"),
+                         accel::checkpoint::CheckpointError);
+    CHECK_NOTHROW(trainer.load_state(first));
+    for (const auto& p : {first, second, marker}) fs::remove_all(p);
+  }
+
+  TEST_CASE("bad checkpoints are rejected with what is wrong") {
+    const auto dir = fresh_dir("bad");
+    {
+      accel::Trainer<> trainer;
+      auto net = tiny_mlp(0);
+      torch::optim::Adam opt(net->parameters());
+      trainer.prepare(net, opt);
+      trainer.save_state(dir);
+    }
+    SUBCASE("a model of another shape names the parameter") {
+      accel::Trainer<> trainer;
+      auto net = tiny_mlp(0, 8, 32);
+      torch::optim::Adam opt(net->parameters());
+      trainer.prepare(net, opt);
+      CHECK_THROWS_WITH(trainer.load_state(dir), doctest::Contains("parameter '0.weight' has shape [16,8]"));
+    }
+    SUBCASE("a truncated file is reported as corrupt") {
+      fs::resize_file(dir / "optimizer.pt", 10);
+      accel::Trainer<> trainer;
+      auto net = tiny_mlp(0);
+      torch::optim::Adam opt(net->parameters());
+      trainer.prepare(net, opt);
+      CHECK_THROWS_WITH(trainer.load_state(dir), doctest::Contains("is corrupt: optimizer.pt has 10 bytes"));
+    }
+    SUBCASE("a directory that is not there") {
+      accel::Trainer<> trainer;
+      CHECK_THROWS_WITH(trainer.load_state(dir / "nope"), doctest::Contains("does not exist"));
+    }
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("save_state() names checkpoints and keeps the newest total_limit; registered objects come back") {
+    const auto project = fresh_dir("project");
+    accel::Trainer<> trainer(accel::TrainerOptions{.project_dir = project, .total_limit = 2});
+    auto net = tiny_mlp(0);
+    torch::optim::Adam opt(net->parameters());
+    torch::optim::StepLR scheduler(opt, 1, 0.5);
+    auto extra = torch::nn::Linear(3, 3);
+    trainer.prepare(net, opt, scheduler);
+    trainer.register_for_checkpointing(*extra);
+    const auto saved_weight = extra->weight.detach().clone();
+    fs::path last;
+    for (int i = 0; i < 3; ++i) {
+      auto batch = global_batch(i, 4);
+      trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+      last = trainer.save_state();
+    }
+    CHECK(last.filename() == "checkpoint_2");
+    CHECK_FALSE(fs::exists(project / "checkpoints" / "checkpoint_0"));
+    CHECK(fs::exists(project / "checkpoints" / "checkpoint_1" / "manifest.json"));
+    {
+      c10::NoGradGuard no_grad;
+      extra->weight.zero_();
+    }
+    // A fresh trainer: the scheduler's 3 steps and the registered module return.
+    accel::Trainer<> resumed;
+    auto net2 = tiny_mlp(5);
+    torch::optim::Adam opt2(net2->parameters());
+    torch::optim::StepLR scheduler2(opt2, 1, 0.5);
+    resumed.prepare(net2, opt2, scheduler2);
+    resumed.register_for_checkpointing(*extra);
+    resumed.load_state(last);
+    CHECK(extra->weight.equal(saved_weight));
+    CHECK(resumed.completed_steps() == 3);
+    CHECK(opt2.param_groups()[0].options().get_lr() == opt.param_groups()[0].options().get_lr());
+    CHECK(opt2.param_groups()[0].options().get_lr() < 1e-3);  // the schedule did decay
+    CHECK(max_param_diff(*net, *net2) == 0.0);
+    fs::remove_all(project);
+  }
+}
