@@ -23,6 +23,7 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <concepts>
@@ -47,6 +48,7 @@
 #include "accel/precision/loss_scaling.hpp"
 #include "accel/strategy/ddp.hpp"
 #include "accel/strategy/single_process.hpp"
+#include "accel/strategy/zero.hpp"
 
 namespace accel {
 
@@ -150,7 +152,9 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     requires(sizeof...(Objects) > 0 &&
              ((detail::module_holder<Objects> || detail::optimizer<Objects> || detail::lr_scheduler<Objects>) && ...))
   void prepare(Objects&... objects) {
-    (prepare_one(objects), ...);
+    // Models first: sharding strategies plan around the model, then rewire the optimizer.
+    (prepare_model_if<Objects>(objects), ...);
+    (prepare_rest_if<Objects>(objects), ...);
   }
 
   /// This rank's shard of `dataset`, batched (DistributedSampler semantics).
@@ -215,9 +219,10 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     if (!sync_gradients_) return;
     auto& optimizer = require_optimizer();
     ensure_synchronized();
-    step_was_skipped_ = scaling_.unscale(params_, comm_);
+    step_was_skipped_ = scaling_.unscale(engine_.optimizer_parameters(), comm_);
     if (!step_was_skipped_) {
       optimizer.step();
+      engine_.after_optimizer_step();
       if (scheduler_ != nullptr) {
         scheduler_->step();
         ++scheduler_steps_;
@@ -248,14 +253,43 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// backward and optimizer_step on a synchronising micro-step.
   double clip_grad_norm(double max_norm, double norm_type = 2.0) {
     prepare_gradients_for_clipping("clip_grad_norm");
-    return torch::nn::utils::clip_grad_norm_(params_, max_norm, norm_type);
+    const auto& params = engine_.optimizer_parameters();
+    if constexpr (!engine_type::shards_gradients) {
+      return torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type);
+    } else {
+      // Each rank holds a shard: combine the shards' partial norms over ranks.
+      const bool inf_norm = std::isinf(norm_type);
+      double local = 0;
+      for (const auto& p : params) {
+        if (!p.grad().defined()) continue;
+        const double n = p.grad().norm(norm_type).template item<double>();
+        local = inf_norm ? std::max(local, n) : local + std::pow(n, norm_type);
+      }
+      double total = local;
+      if (comm_.distributed()) {
+        auto t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
+        if (inf_norm) {
+          auto all = comm_.all_gather(t, "all-gather of gradient norm shards");
+          for (auto& a : all) total = std::max(total, a.template item<double>());
+        } else {
+          comm_.all_reduce(t, "all-reduce of gradient norm shards");
+          total = t.template item<double>();
+        }
+      }
+      if (!inf_norm) total = std::pow(total, 1.0 / norm_type);
+      const double coefficient = max_norm / (total + 1e-6);  // torch's clip_grad_norm_ formula
+      if (coefficient < 1)
+        for (const auto& p : params)
+          if (p.grad().defined()) p.grad().mul_(coefficient);
+      return total;
+    }
   }
 
   /// Clamps every gradient element to [-value, value] (after communication
   /// and FP16 unscaling).
   void clip_grad_value(double value) {
     prepare_gradients_for_clipping("clip_grad_value");
-    torch::nn::utils::clip_grad_value_(params_, value);
+    torch::nn::utils::clip_grad_value_(engine_.optimizer_parameters(), value);
   }
 
   /// The forward-pass autocast scope for this trainer's precision and device.
@@ -435,23 +469,24 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     }
   }
 
-  template <detail::module_holder M>
-  void prepare_one(M& model) {
-    model->to(device_);
-    engine_.prepare_model(*model.ptr());
-    for (auto& p : model->parameters())
-      if (p.requires_grad()) params_.push_back(p);
-    models_.push_back(model.ptr());
+  template <class T>
+  void prepare_model_if(T& object) {
+    if constexpr (detail::module_holder<T>) {
+      object->to(device_);
+      engine_.prepare_model(*object.ptr());
+      models_.push_back(object.ptr());
+    }
   }
 
-  template <detail::optimizer O>
-  void prepare_one(O& optimizer) {
-    optimizer_ = &optimizer;
-  }
-
-  template <detail::lr_scheduler S>
-  void prepare_one(S& scheduler) {
-    scheduler_ = &scheduler;
+  template <class T>
+  void prepare_rest_if(T& object) {
+    if constexpr (detail::optimizer<T>) {
+      if (optimizer_ != nullptr) throw std::logic_error("accel: prepare() takes one optimizer per Trainer");
+      engine_.prepare_optimizer(object);
+      optimizer_ = &object;
+    } else if constexpr (detail::lr_scheduler<T>) {
+      scheduler_ = &object;
+    }
   }
 
   void begin_micro_step() {
@@ -478,7 +513,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
                              " on a micro-step that does not synchronise gradients: call it only when "
                              "trainer.sync_gradients() is true");
     ensure_synchronized();
-    scaling_.unscale(params_, comm_);
+    scaling_.unscale(engine_.optimizer_parameters(), comm_);
   }
 
   // A flag as rank 0 sees it, on every rank.
@@ -640,7 +675,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   bool step_was_skipped_ = false;
   std::int64_t optimizer_steps_ = 0;
   std::int64_t scheduler_steps_ = 0;
-  std::vector<at::Tensor> params_;
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
   torch::optim::Optimizer* optimizer_ = nullptr;
   torch::optim::LRScheduler* scheduler_ = nullptr;

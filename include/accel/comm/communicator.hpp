@@ -160,6 +160,26 @@ class Communicator {
   /// `output`'s length, rank r receives the sum of shard r. NCCL has it; Gloo
   /// in LibTorch 1.13 does not (see comm/collectives.hpp). 1.13 and 2.x both
   /// call it _reduce_scatter_base (Python's reduce_scatter_tensor).
+  /// Equal-split all-to-all: chunk j of `input` goes to rank j; chunk j of
+  /// `output` comes from rank j (Gloo's building block for reduce-scatter).
+  Pending all_to_all_async(at::Tensor& output, at::Tensor& input, std::string what) {
+    ++issued_;
+    std::vector<std::int64_t> equal_splits;
+    c10d::AllToAllOptions options;
+    options.timeout = timeout_;
+    return {backend().alltoall_base(output, input, equal_splits, equal_splits, options), std::move(what), rank_};
+  }
+
+  /// List all-gather into caller-owned chunks (one per rank, same shape).
+  Pending all_gather_into_async(std::vector<at::Tensor>& chunks, at::Tensor& input, std::string what) {
+    ++issued_;
+    std::vector<std::vector<at::Tensor>> outputs{chunks};
+    std::vector<at::Tensor> inputs{input};
+    c10d::AllgatherOptions options;
+    options.timeout = timeout_;
+    return {backend().allgather(outputs, inputs, options), std::move(what), rank_};
+  }
+
   Pending reduce_scatter_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
     ++issued_;
     c10d::ReduceScatterOptions options;  // reduceOp defaults to SUM (a struct in 2.x, an enum in 1.13)

@@ -21,6 +21,8 @@ template <>
 inline constexpr bool enable_strategy_policy<SingleProcess> = true;
 template <>
 inline constexpr bool enable_strategy_policy<DDP> = true;
+template <int Stage>
+inline constexpr bool enable_strategy_policy<ZeRO<Stage>> = true;
 
 template <class T>
 inline constexpr bool enable_precision_policy = false;

@@ -13,6 +13,8 @@ template <class Precision, class Device>
 class SingleProcessEngine;
 template <class Precision, class Device>
 class DDPEngine;
+template <int Stage, class Precision, class Device>
+class ZeROEngine;
 }  // namespace strategy
 
 }  // namespace accel

@@ -45,6 +45,26 @@ struct DDP {
   static constexpr bool distributed = true;
 };
 
+/// ZeRO data parallelism (DeepSpeed's stages; FSDP's SHARD_GRAD_OP is stage 2):
+/// stage 1 shards the optimizer state over the ranks, stage 2 the gradients
+/// too. Each rank steps its shard of the parameters, then all-gathers them.
+/// Works with any elementwise torch::optim optimizer (SGD, Adam, AdamW, ...).
+///   accel::Trainer<accel::ZeRO<2>> trainer;
+template <int Stage>
+struct ZeRO {
+  static_assert(Stage == 1 || Stage == 2,
+                "accel: ZeRO<1> and ZeRO<2> are available; ZeRO<3> (parameter sharding, FSDP FULL_SHARD) is not "
+                "implemented yet: use ZeRO<2> for gradient and optimizer-state sharding");
+  double bucket_cap_mb = 25.0;
+  double first_bucket_cap_mb = 1.0;
+  bool find_unused_parameters = false;
+
+  static constexpr int stage = Stage;
+  template <class Precision, class Device>
+  using engine = strategy::ZeROEngine<Stage, Precision, Device>;
+  static constexpr bool distributed = true;
+};
+
 // ---------------------------------------------------------------- precision
 
 /// Full precision: no autocast, no loss scaling.

@@ -7,6 +7,8 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <vector>
+
 #include "accel/comm/communicator.hpp"
 #include "accel/core/policies.hpp"
 
@@ -17,14 +19,25 @@ class SingleProcessEngine {
  public:
   using settings_type = SingleProcess;
 
+  static constexpr bool shards_gradients = false;
+
   template <class Settings>
   SingleProcessEngine(const Settings&, comm::Communicator&) {}
 
-  void prepare_model(torch::nn::Module&) {}
+  void prepare_model(torch::nn::Module& model) {
+    for (auto& p : model.parameters())
+      if (p.requires_grad()) params_.push_back(p);
+  }
+  void prepare_optimizer(torch::optim::Optimizer&) {}
   void before_backward(const at::Tensor&) {}
   void synchronize_gradients() {}
+  void after_optimizer_step() {}
   void set_gradient_sync(bool) {}
   void zero_grad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
+  const std::vector<at::Tensor>& optimizer_parameters() const { return params_; }
+
+ private:
+  std::vector<at::Tensor> params_;
 };
 
 }  // namespace accel::strategy

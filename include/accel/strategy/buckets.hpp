@@ -1,0 +1,378 @@
+#pragma once
+// Gradient buckets filled during backward: the machinery DDP and ZeRO share.
+//
+// NOTE [Gradient buckets]
+// Parameters are assigned to buckets in reverse registration order (roughly
+// the order backward produces their gradients): a parameter joins the
+// current bucket, which closes once it holds at least its cap (the first
+// bucket's cap is small so communication starts early; PyTorch's Reducer
+// rule). Each bucket owns one flat gradient buffer and every parameter's
+// `.grad` is a view into it, so autograd accumulates straight into what is
+// communicated. A post-hook on each parameter's AccumulateGrad node marks it
+// ready; when a bucket's last parameter is ready and every earlier bucket has
+// been launched, `launch(bucket)` runs (the strategy issues its collective
+// there, asynchronously). Launch order is the bucket order on every rank,
+// whatever order the hooks fire in.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "accel/comm/communicator.hpp"
+#include "accel/compat/torch_compat.hpp"
+
+namespace accel::strategy {
+
+/// What a bucketed engine did during a backward pass, in order (recorded only
+/// when asked: tests use it to show that communication overlaps backward).
+struct DDPEvent {
+  enum Kind { gradient_ready, bucket_launched } kind;
+  std::size_t index;  ///< parameter index or bucket index
+};
+
+struct BucketSettings {
+  double bucket_cap_mb = 25.0;
+  double first_bucket_cap_mb = 1.0;
+  bool find_unused_parameters = false;
+  bool static_graph = false;
+  std::int64_t pad_to_multiple = 1;  ///< ZeRO pads each bucket so it splits evenly over the ranks
+  const char* strategy_name = "DDP";
+};
+
+namespace detail {
+
+struct Bucket {
+  std::vector<std::size_t> params;  // indices into GradientBuckets::params
+  std::vector<std::int64_t> offsets;  // of each parameter in the flat buffers
+  std::int64_t numel = 0;           // real elements
+  std::int64_t padded = 0;          // numel rounded up to pad_to_multiple
+  at::Tensor grad;                  // (padded,) flat gradients; params' .grad are views of it
+  std::size_t pending = 0;
+  int group = 0;                    // optimizer parameter group of every member
+};
+
+// State shared with the autograd hooks, which may outlive the engine.
+class GradientBuckets {
+ public:
+  BucketSettings settings;
+  comm::Communicator* comm = nullptr;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> grad_views;
+  std::vector<std::size_t> bucket_of;
+  std::vector<char> ready;
+  std::vector<Bucket> buckets;
+  std::size_t next_to_launch = 0;
+  bool sync = true;  // false on the non-final micro-steps of gradient accumulation (no_sync)
+  bool record = false;
+  std::vector<DDPEvent> events;
+  std::vector<char> unused;
+  bool unused_known = false;
+  std::function<void(std::size_t)> launch;  // the strategy's collective for a ready bucket
+
+  std::string where() const { return "accel " + std::string(settings.strategy_name) + ": rank " + std::to_string(comm->rank()); }
+
+  // Autograd or the user may have replaced .grad (zero_grad(set_to_none), or
+  // a fresh tensor stolen when .grad was undefined): put the values back into
+  // the bucket and the view back on the parameter.
+  void restore_grad_view(std::size_t i) {
+    at::Tensor& grad = params[i].mutable_grad();
+    if (grad.defined() && grad.is_same(grad_views[i])) return;
+    if (grad.defined()) grad_views[i].copy_(grad);
+    else grad_views[i].zero_();
+    grad = grad_views[i];
+  }
+
+  void mark_ready(std::size_t i) {
+    restore_grad_view(i);
+    if (!sync) return;  // accumulate locally; the final micro-step communicates the sum
+    if (ready[i])
+      throw std::runtime_error(where() + ": parameter '" + names[i] +
+                               "' got its gradient twice in one backward (reentrant backward or activation "
+                               "checkpointing is not supported)");
+    ready[i] = 1;
+    if (record) events.push_back({DDPEvent::gradient_ready, i});
+    if (--buckets[bucket_of[i]].pending == 0) launch_ready();
+  }
+
+  void launch_ready() {
+    while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
+      launch(next_to_launch);
+      if (record) events.push_back({DDPEvent::bucket_launched, next_to_launch});
+      ++next_to_launch;
+    }
+  }
+
+  /// Every parameter must have been marked ready this step.
+  void check_all_ready() {
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (!ready[i]) {
+        reset();
+        throw std::runtime_error(where() + ": parameter '" + names[i] +
+                                 "' received no gradient in this step; if some parameters are unused in a step, "
+                                 "use " + settings.strategy_name + "{.find_unused_parameters = true}");
+      }
+  }
+
+  void reset() {
+    std::fill(ready.begin(), ready.end(), 0);
+    for (auto& bucket : buckets) bucket.pending = bucket.params.size();
+    next_to_launch = 0;
+  }
+
+  /// Points every parameter's .grad at its view of the bucket buffers.
+  void attach_grad_views() {
+    for (auto& bucket : buckets)
+      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+        const auto i = bucket.params[k];
+        auto& p = params[i];
+        grad_views[i] = bucket.grad.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
+        at::Tensor& grad = p.mutable_grad();
+        if (grad.defined() && !grad.is_same(grad_views[i])) grad_views[i].copy_(grad);
+        grad = grad_views[i];
+      }
+  }
+};
+
+class ReadyHook final : public compat::PostHook {
+ public:
+  ReadyHook(std::weak_ptr<GradientBuckets> state, std::size_t index) : state_(std::move(state)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto state = state_.lock()) state->mark_ready(index_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<GradientBuckets> state_;
+  std::size_t index_;
+};
+
+}  // namespace detail
+
+/// The part of an engine that owns the buckets and the hooks. `group_of(i)`
+/// gives parameter i's optimizer group (parameters of different groups never
+/// share a bucket); the default puts every parameter in group 0.
+class BucketedEngineBase {
+ public:
+  explicit BucketedEngineBase(const BucketSettings& settings, comm::Communicator& comm)
+      : state_(std::make_shared<detail::GradientBuckets>()) {
+    state_->settings = settings;
+    state_->comm = &comm;
+    if (settings.bucket_cap_mb <= 0 || settings.first_bucket_cap_mb <= 0)
+      throw std::invalid_argument(std::string("accel ") + settings.strategy_name +
+                                  ": bucket_cap_mb and first_bucket_cap_mb must be positive");
+  }
+  BucketedEngineBase(const BucketedEngineBase&) = delete;
+  BucketedEngineBase& operator=(const BucketedEngineBase&) = delete;
+  ~BucketedEngineBase() {
+    for (std::size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+
+  /// Gradient accumulation: with `false`, backward accumulates into the
+  /// buckets without communicating (DDP's no_sync).
+  void set_gradient_sync(bool sync) { state_->sync = sync; }
+
+  // ------------------------------------------------------------ introspection
+  std::size_t bucket_count() const { return state_->buckets.size(); }
+  /// Parameter names of bucket `b`, in the order they were assigned.
+  std::vector<std::string> bucket_parameters(std::size_t b) const {
+    std::vector<std::string> out;
+    for (auto i : state_->buckets.at(b).params) out.push_back(state_->names[i]);
+    return out;
+  }
+  void record_events(bool on) {
+    state_->record = on;
+    state_->events.clear();
+  }
+  const std::vector<DDPEvent>& events() const { return state_->events; }
+
+ protected:
+  /// Collects the model's trainable parameters, checks that every rank has
+  /// the same model, broadcasts rank 0's weights, plans the buckets.
+  void collect_and_plan(torch::nn::Module& model, const std::function<int(const at::Tensor&)>& group_of) {
+    collect(model);
+    plan_buckets(group_of);
+  }
+
+  void collect(torch::nn::Module& model) {
+    auto& s = *state_;
+    if (!s.params.empty())
+      throw std::logic_error(std::string("accel ") + s.settings.strategy_name + ": prepare() takes one model per Trainer");
+    for (auto& item : model.named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      s.names.push_back(item.key());
+      s.params.push_back(item.value());
+    }
+    check_same_model_everywhere(model);
+    broadcast_from_rank0(model);
+  }
+
+  void allocate_gradients() {
+    for (auto& bucket : state_->buckets)
+      if (!bucket.grad.defined())
+        bucket.grad = at::zeros({bucket.padded}, state_->params[bucket.params.front()].options().requires_grad(false));
+    state_->attach_grad_views();
+  }
+
+  void register_hooks() {
+    auto& s = *state_;
+    for (std::size_t i = 0; i < s.params.size(); ++i) {
+      // Keep the AccumulateGrad node alive: the variable holds it weakly, and
+      // a new one (without our hook) would be made each step otherwise.
+      auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
+      hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<detail::ReadyHook>(state_, i)));
+      accumulators_.push_back(std::move(accumulator));
+    }
+  }
+
+  /// Under find_unused_parameters: parameters unreachable from the loss get
+  /// zero gradients and are marked ready before backward starts.
+  void mark_unused_ready(const at::Tensor& loss) {
+    auto& s = *state_;
+    if (!s.sync || !s.settings.find_unused_parameters) return;
+    if (!s.unused_known || !s.settings.static_graph) {
+      s.unused = find_unused(loss);
+      s.unused_known = true;
+    }
+    for (std::size_t i = 0; i < s.params.size(); ++i)
+      if (s.unused[i]) {
+        s.restore_grad_view(i);
+        s.grad_views[i].zero_();
+        s.mark_ready(i);
+      }
+  }
+
+  std::shared_ptr<detail::GradientBuckets> state_;
+
+ private:
+  // Different models on different ranks would make the broadcast below
+  // corrupt memory or hang; compare a cheap signature first.
+  void check_same_model_everywhere(torch::nn::Module& model) {
+    auto& s = *state_;
+    if (!s.comm->distributed()) return;
+    std::int64_t count = 0, numel = 0, shape_hash = 0;
+    for (auto& p : model.parameters()) {
+      ++count;
+      numel += p.numel();
+      for (auto d : p.sizes()) shape_hash = (shape_hash * 1000003 + d) % 2147483647;
+    }
+    auto mine = at::tensor({count, numel, shape_hash, static_cast<std::int64_t>(model.buffers().size())});
+    auto all = s.comm->all_gather(mine, "model signature check at prepare");
+    for (int r = 0; r < s.comm->size(); ++r)
+      if (!all[r].equal(all[0]))
+        throw std::runtime_error("accel " + std::string(s.settings.strategy_name) + ": rank " + std::to_string(r) +
+                                 "'s model (" + std::to_string(all[r][0].item<std::int64_t>()) + " parameters, " +
+                                 std::to_string(all[r][1].item<std::int64_t>()) + " elements) differs from rank 0's (" +
+                                 std::to_string(all[0][0].item<std::int64_t>()) + " parameters, " +
+                                 std::to_string(all[0][1].item<std::int64_t>()) +
+                                 " elements): every rank must build the same model");
+  }
+
+  // Rank 0's parameters and buffers everywhere, one broadcast per dtype.
+  void broadcast_from_rank0(torch::nn::Module& model) {
+    auto& s = *state_;
+    if (!s.comm->distributed()) return;
+    std::vector<at::Tensor> tensors = model.parameters();
+    for (auto& b : model.buffers()) tensors.push_back(b);
+    c10::NoGradGuard no_grad;
+    std::vector<std::vector<at::Tensor>> by_dtype;
+    for (auto& t : tensors) {
+      auto it = std::find_if(by_dtype.begin(), by_dtype.end(), [&](auto& g) {
+        return g.front().scalar_type() == t.scalar_type() && g.front().device() == t.device();
+      });
+      if (it == by_dtype.end()) by_dtype.push_back({t});
+      else it->push_back(t);
+    }
+    for (auto& group : by_dtype) {
+      std::vector<at::Tensor> flat_parts;
+      for (auto& t : group) flat_parts.push_back(t.reshape({-1}));
+      auto flat = at::cat(flat_parts);
+      s.comm->broadcast(flat, 0, "broadcast of rank 0's parameters at prepare");
+      std::int64_t offset = 0;
+      for (auto& t : group) {
+        t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    }
+  }
+
+ protected:
+  void plan_buckets(const std::function<int(const at::Tensor&)>& group_of) {
+    auto& s = *state_;
+    const std::size_t n = s.params.size();
+    s.bucket_of.assign(n, 0);
+    s.ready.assign(n, 0);
+    s.grad_views.resize(n);
+    constexpr double mib = 1024.0 * 1024.0;
+    std::vector<detail::Bucket> planned;
+    double bytes = 0;
+    bool open = false;
+    for (std::size_t k = n; k-- > 0;) {  // reverse registration order
+      const auto& p = s.params[k];
+      const int group = group_of(p);
+      const bool other_kind = open && (s.params[planned.back().params.front()].scalar_type() != p.scalar_type() ||
+                                       s.params[planned.back().params.front()].device() != p.device() ||
+                                       planned.back().group != group);
+      if (!open || other_kind) {
+        planned.emplace_back();
+        planned.back().group = group;
+        bytes = 0;
+        open = true;
+      }
+      auto& bucket = planned.back();
+      bucket.params.push_back(k);
+      bucket.offsets.push_back(bucket.numel);
+      bucket.numel += p.numel();
+      bytes += static_cast<double>(p.numel() * p.element_size());
+      const double cap = (planned.size() == 1 ? s.settings.first_bucket_cap_mb : s.settings.bucket_cap_mb) * mib;
+      if (bytes >= cap) open = false;
+    }
+    const std::int64_t pad = s.settings.pad_to_multiple;
+    for (auto& bucket : planned) {
+      bucket.padded = (bucket.numel + pad - 1) / pad * pad;
+      bucket.pending = bucket.params.size();
+      for (auto i : bucket.params) s.bucket_of[i] = &bucket - planned.data();
+    }
+    s.buckets = std::move(planned);
+  }
+
+ private:
+
+  // Parameters whose AccumulateGrad node is not reachable from the loss.
+  std::vector<char> find_unused(const at::Tensor& loss) const {
+    auto& s = *state_;
+    std::unordered_set<const torch::autograd::Node*> seen;
+    std::vector<torch::autograd::Node*> stack;
+    if (auto root = loss.grad_fn()) stack.push_back(root.get());
+    while (!stack.empty()) {
+      auto* node = stack.back();
+      stack.pop_back();
+      if (!seen.insert(node).second) continue;
+      for (const auto& edge : node->next_edges())
+        if (edge.function) stack.push_back(edge.function.get());
+    }
+    std::vector<char> unused(s.params.size(), 0);
+    for (std::size_t i = 0; i < s.params.size(); ++i) unused[i] = !seen.count(accumulators_[i].get());
+    return unused;
+  }
+
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<std::uintptr_t> hook_keys_;
+};
+
+}  // namespace accel::strategy

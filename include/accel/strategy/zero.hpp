@@ -1,0 +1,220 @@
+#pragma once
+// ZeRO stages 1 and 2: the optimizer state (stage 1) and the gradients
+// (stage 2) are sharded over the ranks.
+//
+// NOTE [ZeRO shards]
+// The gradient buckets of NOTE [Gradient buckets] are padded to a multiple of
+// the world size, and the model's parameters are moved into flat buffers of
+// the same layout (each parameter becomes a view of its bucket's buffer).
+// Rank r owns elements [r*S, (r+1)*S) of every bucket, S = padded/world.
+// The user's optimizer is rewired to step those shards (one leaf tensor per
+// bucket, a view of the flat parameter buffer, whose .grad is the reduced
+// gradient shard), so optimizer state exists for 1/world of the elements;
+// this is exact for elementwise optimizers (SGD, Adam, AdamW, RMSprop, ...).
+//   stage 1: each bucket's gradients are all-reduced (as DDP), the shard is a view;
+//   stage 2: each bucket is reduce-scattered as soon as it is ready (Gloo:
+//            all-to-all of equal chunks + a local sum, (n-1)/n of the bytes;
+//            NCCL: native reduce-scatter); the full gradient buffers are
+//            released after the step, so only the shard stays between steps.
+// After the optimizer step every bucket's shards are all-gathered back into
+// the flat parameter buffers, so every rank again holds the whole model.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "accel/comm/communicator.hpp"
+#include "accel/core/policies.hpp"
+#include "accel/strategy/buckets.hpp"
+
+namespace accel::strategy {
+
+template <int Stage, class Precision, class Device>
+class ZeROEngine : public BucketedEngineBase {
+ public:
+  using settings_type = ZeRO<Stage>;
+  /// Each rank holds a shard of the gradients the optimizer sees: global
+  /// norms are reduced over ranks.
+  static constexpr bool shards_gradients = true;
+
+  ZeROEngine(const ZeRO<Stage>& settings, comm::Communicator& comm)
+      : BucketedEngineBase(BucketSettings{settings.bucket_cap_mb, settings.first_bucket_cap_mb,
+                                          settings.find_unused_parameters, false, comm.size(),
+                                          Stage == 1 ? "ZeRO<1>" : "ZeRO<2>"},
+                           comm) {
+    state_->launch = [this](std::size_t b) { launch(b); };
+  }
+
+  void prepare_model(torch::nn::Module& model) { collect(model); }
+
+  /// Plans the buckets by the optimizer's parameter groups, moves the
+  /// parameters into flat buffers and points the optimizer at this rank's shards.
+  void prepare_optimizer(torch::optim::Optimizer& optimizer) {
+    auto& s = *state_;
+    if (s.params.empty()) throw std::logic_error("accel ZeRO: prepare the model before (or with) the optimizer");
+    if (!shards_.empty()) throw std::logic_error("accel ZeRO: prepare() takes one optimizer per Trainer");
+    if (!optimizer.state().empty())
+      throw std::logic_error("accel ZeRO: prepare the optimizer before its first step (its state would be lost)");
+    auto& groups = optimizer.param_groups();
+    plan_buckets([&](const at::Tensor& p) {
+      for (std::size_t g = 0; g < groups.size(); ++g)
+        for (const auto& q : groups[g].params())
+          if (q.is_same(p)) return static_cast<int>(g);
+      return -1;  // trained by no optimizer group: reduced, never stepped
+    });
+    const int world = s.comm->size(), rank = s.comm->rank();
+    c10::NoGradGuard no_grad;
+    for (auto& bucket : s.buckets) {
+      const auto& first = s.params[bucket.params.front()];
+      // (padded,) the bucket's parameters, each a view; the tail is padding
+      at::Tensor flat = at::zeros({bucket.padded}, first.options().requires_grad(false));
+      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+        auto& p = s.params[bucket.params[k]];
+        auto view = flat.narrow(0, bucket.offsets[k], p.numel());
+        view.copy_(p.reshape({-1}));
+        p.set_data(view.view(p.sizes()));
+      }
+      const std::int64_t shard = bucket.padded / world;
+      // (shard,) this rank's slice of the flat parameters: what the optimizer steps
+      at::Tensor mine = flat.narrow(0, rank * shard, shard).detach().requires_grad_(true);
+      param_flat_.push_back(flat);
+      shards_.push_back(mine);
+      if constexpr (Stage == 2) grad_shards_.push_back(at::zeros({shard}, flat.options()));
+    }
+    for (auto& group : groups) group.params().clear();
+    for (std::size_t b = 0; b < s.buckets.size(); ++b)
+      if (s.buckets[b].group >= 0) groups[s.buckets[b].group].params().push_back(shards_[b]);
+    allocate_gradients();
+    attach_shard_gradients();
+    work_.resize(s.buckets.size());
+    received_.resize(s.buckets.size());
+    register_hooks();
+  }
+
+  void before_backward(const at::Tensor& loss) {
+    require_optimizer_prepared();
+    allocate_gradients();  // stage 2 released them after the last step
+    mark_unused_ready(loss);
+  }
+
+  void synchronize_gradients() {
+    auto& s = *state_;
+    s.check_all_ready();
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      work_[b].wait();
+      if constexpr (Stage == 2) {
+        if (received_[b].defined()) {
+          // (world, shard): chunk j is rank j's contribution to this rank's shard
+          at::sum_out(grad_shards_[b], received_[b].view({s.comm->size(), -1}), {0});
+          received_[b] = at::Tensor();
+        }
+      }
+    }
+    s.reset();
+    if constexpr (Stage == 2) release_full_gradients();
+  }
+
+  /// The updated shards, all-gathered back into every rank's full parameters.
+  void after_optimizer_step() {
+    auto& s = *state_;
+    if (!s.comm->distributed()) return;
+    std::vector<comm::Pending> gathers;
+    std::vector<at::Tensor> inputs;
+    for (std::size_t b = 0; b < shards_.size(); ++b) {
+      const std::int64_t shard = shards_[b].numel();
+      std::vector<at::Tensor> chunks;
+      for (int r = 0; r < s.comm->size(); ++r) chunks.push_back(param_flat_[b].narrow(0, r * shard, shard));
+      inputs.push_back(shards_[b].detach().clone());  // the output chunks alias the shard
+      gathers.push_back(s.comm->all_gather_into_async(chunks, inputs.back(),
+                                                      "all-gather of ZeRO parameter bucket " + std::to_string(b)));
+    }
+    for (auto& g : gathers) g.wait();
+  }
+
+  void zero_grad(torch::optim::Optimizer&) {
+    if constexpr (Stage == 1) {
+      for (auto& bucket : state_->buckets) bucket.grad.zero_();
+      state_->attach_grad_views();
+    } else {
+      for (auto& g : grad_shards_) g.zero_();
+      if (state_->buckets.front().grad.defined()) {
+        for (auto& bucket : state_->buckets) bucket.grad.zero_();
+        state_->attach_grad_views();
+      }
+    }
+  }
+
+  /// The tensors the optimizer steps: this rank's shard of each bucket.
+  const std::vector<at::Tensor>& optimizer_parameters() const { return shards_; }
+
+  /// Elements per bucket (without padding): the checkpoint's resharding map.
+  std::vector<std::int64_t> bucket_numels() const {
+    std::vector<std::int64_t> out;
+    for (const auto& bucket : state_->buckets) out.push_back(bucket.numel);
+    return out;
+  }
+
+ private:
+  void require_optimizer_prepared() const {
+    if (shards_.empty())
+      throw std::logic_error("accel ZeRO: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
+  }
+
+  void attach_shard_gradients() {
+    auto& s = *state_;
+    for (std::size_t b = 0; b < shards_.size(); ++b) {
+      if constexpr (Stage == 1) {
+        const std::int64_t shard = shards_[b].numel();
+        shards_[b].mutable_grad() = s.buckets[b].grad.narrow(0, s.comm->rank() * shard, shard);
+      } else {
+        shards_[b].mutable_grad() = grad_shards_[b];
+      }
+    }
+  }
+
+  void launch(std::size_t b) {
+    auto& s = *state_;
+    auto& grad = s.buckets[b].grad;
+    if (s.comm->distributed()) grad.div_(s.comm->size());  // pre-divide: Gloo has no AVG
+    const std::string what = std::string(Stage == 1 ? "all-reduce" : "reduce-scatter") + " of ZeRO gradient bucket " +
+                             std::to_string(b) + " (" + std::to_string(grad.numel() * grad.element_size()) + " bytes)";
+    if constexpr (Stage == 1) {
+      work_[b] = s.comm->all_reduce_async(grad, what);
+    } else {
+      if (!s.comm->distributed()) {
+        grad_shards_[b].copy_(grad);
+      } else if (s.comm->backend_kind() == comm::BackendKind::nccl) {
+        work_[b] = s.comm->reduce_scatter_base_async(grad_shards_[b], grad, what);
+      } else {
+        received_[b] = at::empty_like(grad);
+        work_[b] = s.comm->all_to_all_async(received_[b], grad, what);
+      }
+    }
+  }
+
+  // Stage 2 keeps only the gradient shards between steps (the ZeRO-2 memory model).
+  void release_full_gradients() {
+    auto& s = *state_;
+    for (auto& bucket : s.buckets) bucket.grad = at::Tensor();
+    for (std::size_t i = 0; i < s.params.size(); ++i) {
+      s.params[i].mutable_grad() = at::Tensor();
+      s.grad_views[i] = at::Tensor();
+    }
+  }
+
+  std::vector<at::Tensor> param_flat_;   // per bucket: (padded,) full parameters
+  std::vector<at::Tensor> shards_;       // per bucket: (shard,) this rank's parameters, stepped by the optimizer
+  std::vector<at::Tensor> grad_shards_;  // stage 2, per bucket: (shard,) the reduced gradient shard
+  std::vector<at::Tensor> received_;     // stage 2 on Gloo: (padded,) chunks from every rank, until summed
+  std::vector<comm::Pending> work_;
+};
+
+}  // namespace accel::strategy
