@@ -34,6 +34,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 
 #include "accel/checkpoint/files.hpp"
@@ -68,6 +69,16 @@ struct TrainerOptions {
   int total_limit = 0;
 };
 
+/// Bytes of model state this rank holds (the ZeRO paper's accounting):
+/// parameter storage, gradient storage, and the optimizer's per-element state
+/// (scalar counters such as Adam's step are not counted).
+struct ModelStateBytes {
+  std::int64_t parameters = 0;
+  std::int64_t gradients = 0;
+  std::int64_t optimizer_state = 0;
+  std::int64_t total() const { return parameters + gradients + optimizer_state; }
+};
+
 /// Thrown when the launcher's settings contradict the compiled policies.
 class ConfigurationError : public std::runtime_error {
  public:
@@ -86,6 +97,25 @@ concept optimizer = std::derived_from<T, torch::optim::Optimizer>;
 
 template <class T>
 concept lr_scheduler = std::derived_from<T, torch::optim::LRScheduler>;
+
+// The optimizer state tensors shaped like their parameter: read through the
+// state's own serialisation, so any torch::optim optimizer is covered.
+inline std::vector<at::Tensor> per_element_state(const torch::optim::OptimizerParamState& state,
+                                                 const at::Tensor& param) {
+  torch::serialize::OutputArchive out;
+  state.serialize(out);
+  std::stringstream buffer;
+  out.save_to(buffer);
+  torch::serialize::InputArchive in;
+  in.load_from(buffer);
+  std::vector<at::Tensor> tensors;
+  for (const auto& key : in.keys()) {
+    at::Tensor t;
+    if (!in.try_read(key, t) || !t.defined()) continue;
+    if (t.sizes() == param.sizes()) tensors.push_back(t);
+  }
+  return tensors;
+}
 
 inline int accumulation_steps(const std::optional<int>& configured) {
   auto from_env = comm::process_environment("ACCELERATE_GRADIENT_ACCUMULATION_STEPS");
@@ -326,6 +356,33 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   }
 
   void wait_for_everyone() { comm_.barrier(); }
+
+  /// What this rank holds now: distinct storages of the prepared models'
+  /// parameters, of every gradient (the model's and the optimizer's, shared
+  /// storage counted once), and of the optimizer's per-element state.
+  ModelStateBytes model_state_bytes() const {
+    ModelStateBytes bytes;
+    std::unordered_set<const void*> seen;
+    auto count = [&](const at::Tensor& t, std::int64_t& into) {
+      if (!t.defined() || !t.has_storage()) return;
+      if (seen.insert(t.storage().unsafeGetStorageImpl()).second) into += static_cast<std::int64_t>(t.storage().nbytes());
+    };
+    for (const auto& model : models_)
+      for (const auto& p : model->parameters()) count(p, bytes.parameters);
+    for (const auto& model : models_)
+      for (const auto& p : model->parameters()) count(p.grad(), bytes.gradients);
+    for (const auto& p : engine_.optimizer_parameters()) count(p.grad(), bytes.gradients);
+    if (optimizer_ != nullptr)
+      for (const auto& group : optimizer_->param_groups())
+        for (const auto& p : group.params()) {
+          auto it = optimizer_->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+          if (it == optimizer_->state().end()) continue;
+          // Copies read back from the state's serialisation: sized, not deduplicated.
+          for (const auto& t : detail::per_element_state(*it->second, p))
+            bytes.optimizer_state += static_cast<std::int64_t>(t.numel() * t.element_size());
+        }
+    return bytes;
+  }
 
   // ------------------------------------------------------------ checkpoints
   /// Saves everything needed to resume exactly (see NOTE [Checkpoint commit]):

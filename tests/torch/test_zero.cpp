@@ -1,0 +1,192 @@
+// ZeRO stages 1 and 2 on real processes and real Gloo: equivalence with DDP
+// and with one process, the per-rank memory model, overlap, clipping.
+#include <torch/optim/adam.h>
+
+#include "doctest_torch.hpp"
+
+using namespace accel::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+accel::SpawnOptions bounded() {
+  accel::SpawnOptions options;
+  options.timeout = 120s;
+  return options;
+}
+
+// 7-13-13-5: 356 parameters, divisible neither by 2 nor by 3 (per bucket either).
+torch::nn::Sequential odd_mlp() { return tiny_mlp(0, 7, 13, 5); }
+
+GlobalBatch odd_batch(std::int64_t step, std::int64_t size) { return global_batch(step, size, 7, 5); }
+
+// Trains `steps` Adam steps with per-rank batch `b` under Strategy; rank
+// `rank` of `world` takes its slice of each global batch.
+template <class Strategy>
+torch::nn::Sequential train(Strategy strategy, int rank, int world, int steps, std::int64_t b, int accumulation = 1,
+                            double clip = 0) {
+  accel::Trainer<Strategy> trainer(strategy, accel::TrainerOptions{.gradient_accumulation_steps = accumulation});
+  auto net = odd_mlp();
+  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+  trainer.prepare(net, opt);
+  for (int step = 0; step < steps; ++step) {
+    auto batch = odd_batch(step, b * world * accumulation);
+    for (int m = 0; m < accumulation; ++m) {
+      const std::int64_t first = (m * world + rank) * b;
+      auto micro = trainer.accumulate();
+      trainer.backward(loss_of(net, batch.x.narrow(0, first, b), batch.y.narrow(0, first, b)));
+      if (clip > 0 && trainer.sync_gradients()) trainer.clip_grad_norm(clip);
+      trainer.optimizer_step();
+      trainer.zero_grad();
+    }
+  }
+  return net;
+}
+
+torch::nn::Sequential reference(int steps, std::int64_t global, double clip = 0) {
+  auto net = odd_mlp();
+  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int step = 0; step < steps; ++step) {
+    auto batch = odd_batch(step, global);
+    opt.zero_grad();
+    loss_of(net, batch.x, batch.y).backward();
+    if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
+    opt.step();
+  }
+  return net;
+}
+
+}  // namespace
+
+TEST_SUITE("zero") {
+  TEST_CASE("equivalence: ZeRO-1 and ZeRO-2 with Adam on 2 and 3 ranks equal DDP and one process on the global "
+            "batch (a model whose size divides by neither)") {
+    // Tolerance 1e-5 (fp32), as for DDP.
+    for (int world : {2, 3}) {
+      CAPTURE(world);
+      accel::spawn(
+          world,
+          [world](int rank) {
+            const int steps = 4;
+            const std::int64_t b = 3;
+            auto single = reference(steps, b * world);
+            auto ddp = train(accel::DDP{}, rank, world, steps, b);
+            for (double cap : {0.0002, 25.0}) {  // several buckets, and one
+              auto z1 = train(accel::ZeRO<1>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, rank, world, steps, b);
+              auto z2 = train(accel::ZeRO<2>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, rank, world, steps, b);
+              for (auto* net : {&z1, &z2}) {
+                require(max_param_diff(**net, *single) < 1e-5, "ZeRO vs one process: " + std::to_string(max_param_diff(**net, *single)));
+                require(max_param_diff(**net, *ddp) < 1e-5, "ZeRO vs DDP");
+              }
+            }
+          },
+          bounded());
+    }
+  }
+
+  TEST_CASE("ZeRO-2 with gradient accumulation and global-norm clipping equals one process") {
+    accel::spawn(
+        3,
+        [](int rank) {
+          const int steps = 3;
+          const std::int64_t b = 2;
+          auto accumulated = train(accel::ZeRO<2>{.bucket_cap_mb = 0.0002}, rank, 3, steps, b, 2);
+          require(max_param_diff(*accumulated, *reference(steps, b * 3 * 2)) < 1e-5, "accumulation");
+          auto clipped = train(accel::ZeRO<2>{.bucket_cap_mb = 0.0002}, rank, 3, steps, b, 1, 0.05);
+          require(max_param_diff(*clipped, *reference(steps, b * 3, 0.05)) < 1e-5, "clipping by the global norm");
+        },
+        bounded());
+  }
+
+  TEST_CASE("memory: per-rank bytes follow the ZeRO paper's formulas (Adam, fp32)") {
+    // P = padded parameter count (each bucket padded to a multiple of N). Per rank:
+    //   DDP    params 4P, grads 4P,   Adam state 8P
+    //   ZeRO-1 params 4P, grads 4P,   Adam state 8P/N
+    //   ZeRO-2 params 4P, grads 4P/N, Adam state 8P/N
+    for (int world : {2, 3}) {
+      CAPTURE(world);
+      accel::spawn(
+          world,
+          [world](int) {
+            auto measure = [&](auto strategy, std::int64_t& padded) {
+              accel::Trainer<decltype(strategy)> trainer(strategy);
+              auto net = odd_mlp();
+              torch::optim::Adam opt(net->parameters());
+              trainer.prepare(net, opt);
+              auto batch = odd_batch(0, 4);
+              trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+              padded = 0;
+              if constexpr (!std::is_same_v<decltype(strategy), accel::DDP>) {
+                for (auto n : trainer.strategy_engine().bucket_numels()) padded += (n + world - 1) / world * world;
+              } else {
+                for (auto& p : net->parameters()) padded += p.numel();
+              }
+              return trainer.model_state_bytes();
+            };
+            std::int64_t P = 0;
+            auto ddp = measure(accel::DDP{}, P);
+            require(P == 356, "DDP: P is the parameter count");
+            require(ddp.parameters == 4 * P && ddp.gradients == 4 * P && ddp.optimizer_state == 8 * P,
+                    "DDP bytes " + std::to_string(ddp.parameters) + " " + std::to_string(ddp.gradients) + " " +
+                        std::to_string(ddp.optimizer_state));
+            for (double cap : {0.0002, 25.0}) {
+              auto z1 = measure(accel::ZeRO<1>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, P);
+              require(P % world == 0 && P >= 356 && P < 356 + 4 * world, "padding is less than N per bucket");
+              require(z1.parameters == 4 * P, "ZeRO-1 params " + std::to_string(z1.parameters));
+              require(z1.gradients == 4 * P, "ZeRO-1 grads " + std::to_string(z1.gradients));
+              require(z1.optimizer_state == 8 * P / world, "ZeRO-1 Adam state " + std::to_string(z1.optimizer_state));
+              auto z2 = measure(accel::ZeRO<2>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, P);
+              require(z2.parameters == 4 * P, "ZeRO-2 params");
+              require(z2.gradients == 4 * P / world, "ZeRO-2 grads " + std::to_string(z2.gradients));
+              require(z2.optimizer_state == 8 * P / world, "ZeRO-2 Adam state");
+            }
+          },
+          bounded());
+    }
+  }
+
+  TEST_CASE("ZeRO-2 overlap: the first reduce-scatter starts before backward has finished") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          accel::Trainer<accel::ZeRO<2>> trainer(accel::ZeRO<2>{.bucket_cap_mb = 0.0002, .first_bucket_cap_mb = 0.0002});
+          auto net = odd_mlp();
+          torch::optim::Adam opt(net->parameters());
+          trainer.prepare(net, opt);
+          auto& engine = trainer.strategy_engine();
+          require(engine.bucket_count() >= 3, "several buckets");
+          engine.record_events(true);
+          auto batch = odd_batch(0, 4);
+          trainer.backward(loss_of(net, batch.x.narrow(0, rank * 2, 2), batch.y.narrow(0, rank * 2, 2)));
+          std::size_t first_launch = engine.events().size(), last_ready = 0;
+          for (std::size_t i = 0; i < engine.events().size(); ++i) {
+            if (engine.events()[i].kind == accel::strategy::DDPEvent::bucket_launched) first_launch = std::min(first_launch, i);
+            else last_ready = i;
+          }
+          require(first_launch < last_ready, "a bucket was reduce-scattered while backward still ran");
+          trainer.optimizer_step();
+        },
+        bounded());
+  }
+
+  TEST_CASE("ZeRO refuses an optimizer that has already stepped") {
+    accel::spawn(
+        2,
+        [](int) {
+          accel::Trainer<accel::ZeRO<1>> trainer;
+          auto net = odd_mlp();
+          torch::optim::Adam opt(net->parameters());
+          auto batch = odd_batch(0, 4);
+          loss_of(net, batch.x, batch.y).backward();
+          opt.step();
+          try {
+            trainer.prepare(net, opt);
+          } catch (const std::logic_error& e) {
+            require(std::string(e.what()).find("before its first step") != std::string::npos, e.what());
+            return;
+          }
+          require(false, "prepare must refuse");
+        },
+        bounded());
+  }
+}
