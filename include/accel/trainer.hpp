@@ -407,10 +407,13 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
       }
       torch::save(rng, (target / ("random_states_" + std::to_string(process_index()) + ".pt")).string());
     }
+    if (optimizer_ != nullptr && engine_type::shards_gradients)  // each rank its own shard of the state
+      torch::save(*optimizer_, (target / ("optimizer_shard_" + std::to_string(process_index()) + ".pt")).string());
     if (is_main_process()) {
       for (std::size_t i = 0; i < models_.size(); ++i)
         torch::save(models_[i], (target / ("model_" + std::to_string(i) + ".pt")).string());
-      if (optimizer_ != nullptr) torch::save(*optimizer_, (target / "optimizer.pt").string());
+      if (optimizer_ != nullptr && !engine_type::shards_gradients)
+        torch::save(*optimizer_, (target / "optimizer.pt").string());
       for (std::size_t i = 0; i < custom_.size(); ++i) {
         torch::serialize::OutputArchive archive;
         custom_[i].save(archive);
@@ -573,6 +576,96 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     scaling_.unscale(engine_.optimizer_parameters(), comm_);
   }
 
+  static int saved_world_size(const nlohmann::json& manifest) { return manifest.at("world_size").get<int>(); }
+
+  // NOTE [Resharding optimizer state]
+  // A ZeRO checkpoint holds one optimizer file per saved rank, each with the
+  // state of that rank's shard of every bucket. To resume on another number
+  // of ranks, each rank loads every saved file into the user's optimizer
+  // (pointed for the moment at stand-in tensors of the saved shard sizes),
+  // reads each state back through its own serialisation, concatenates the
+  // per-element tensors of all saved shards, drops the old padding, pads for
+  // the new world size and keeps its own slice; other entries (Adam's step)
+  // are taken from saved rank 0. Any elementwise torch::optim optimizer works.
+  void reshard_optimizer_state(const std::filesystem::path& dir, int saved_world, const std::vector<std::int64_t>& numels) {
+    auto& optimizer = *optimizer_;
+    const auto& mine = engine_.optimizer_parameters();  // (shard,) per bucket, for the current world size
+    auto& groups = optimizer.param_groups();
+    std::vector<std::vector<at::Tensor>> original;
+    for (auto& group : groups) original.push_back(group.params());
+    auto bucket_of = [&](const at::Tensor& t) {
+      for (std::size_t b = 0; b < mine.size(); ++b)
+        if (mine[b].is_same(t)) return b;
+      throw std::logic_error("accel: optimizer parameter that is no ZeRO shard");
+    };
+    auto key = [](const at::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); };
+    // saved[s][b]: saved rank s's state of bucket b, serialised; proto[b]: a state object of the right type
+    std::vector<std::vector<std::string>> saved(saved_world, std::vector<std::string>(mine.size()));
+    std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> proto(mine.size());
+    for (int s = 0; s < saved_world; ++s) {
+      std::vector<at::Tensor> stand_in(mine.size());
+      for (std::size_t b = 0; b < mine.size(); ++b) {
+        const std::int64_t padded = (numels[b] + saved_world - 1) / saved_world * saved_world;
+        stand_in[b] = at::zeros({padded / saved_world}, mine[b].options());
+      }
+      for (std::size_t g = 0; g < groups.size(); ++g) {
+        groups[g].params().clear();
+        for (const auto& p : original[g]) groups[g].params().push_back(stand_in[bucket_of(p)]);
+      }
+      optimizer.state().clear();
+      torch::load(optimizer, (dir / ("optimizer_shard_" + std::to_string(s) + ".pt")).string());
+      for (std::size_t b = 0; b < mine.size(); ++b) {
+        auto it = optimizer.state().find(key(stand_in[b]));
+        if (it == optimizer.state().end()) continue;  // never stepped
+        torch::serialize::OutputArchive out;
+        it->second->serialize(out);
+        std::ostringstream bytes;
+        out.save_to(bytes);
+        saved[s][b] = bytes.str();
+        if (s == 0) proto[b] = it->second->clone();
+      }
+    }
+    optimizer.state().clear();
+    for (std::size_t g = 0; g < groups.size(); ++g) groups[g].params() = original[g];
+    const int world = num_processes(), rank = process_index();
+    for (std::size_t b = 0; b < mine.size(); ++b) {
+      if (!proto[b]) continue;
+      std::vector<torch::serialize::InputArchive> shards(saved_world);
+      for (int s = 0; s < saved_world; ++s) {
+        std::istringstream bytes(saved[s][b]);
+        shards[s].load_from(bytes);
+      }
+      const std::int64_t saved_shard = (numels[b] + saved_world - 1) / saved_world;
+      const std::int64_t shard = mine[b].numel();
+      torch::serialize::OutputArchive merged;
+      for (const auto& name : shards[0].keys()) {
+        c10::IValue first;
+        shards[0].read(name, first);
+        if (first.isTensor() && first.toTensor().dim() == 1 && first.toTensor().numel() == saved_shard) {
+          std::vector<at::Tensor> parts;
+          for (int s = 0; s < saved_world; ++s) {
+            c10::IValue part;
+            shards[s].read(name, part);
+            parts.push_back(part.toTensor());
+          }
+          // (numels[b],) the whole bucket's state, then (shard,) this rank's slice of it re-padded
+          auto full = at::cat(parts).narrow(0, 0, numels[b]);
+          auto padded = at::zeros({shard * world}, full.options());
+          padded.narrow(0, 0, numels[b]).copy_(full);
+          merged.write(name, padded.narrow(0, rank * shard, shard).clone());
+        } else {
+          merged.write(name, first);
+        }
+      }
+      std::stringstream bytes;
+      merged.save_to(bytes);
+      torch::serialize::InputArchive in;
+      in.load_from(bytes);
+      proto[b]->serialize(in);
+      optimizer.state()[key(mine[b])] = std::move(proto[b]);
+    }
+  }
+
   // A flag as rank 0 sees it, on every rank.
   bool main_process_says(bool flag) {
     if (!comm_.distributed()) return flag;
@@ -606,7 +699,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     nlohmann::json m;
     m["format_version"] = checkpoint::format_version;
     m["world_size"] = num_processes();
-    m["replicated"] = true;
+    m["replicated"] = !engine_type::shards_gradients;
+    if constexpr (engine_type::shards_gradients) m["bucket_numels"] = engine_.bucket_numels();
     m["mixed_precision"] = Precision::name;
     m["optimizer_steps"] = optimizer_steps_;
     m["micro_steps"] = micro_steps_;
@@ -670,7 +764,24 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     if (optimizer_ != nullptr) {
       if (!m.value("has_optimizer", false))
         throw checkpoint::CheckpointError(where + "holds no optimizer state, but an optimizer was prepared");
-      torch::load(*optimizer_, (dir / "optimizer.pt").string());
+      const bool sharded = !m.at("replicated").get<bool>();
+      if (sharded != engine_type::shards_gradients)
+        throw checkpoint::CheckpointError(
+            where + (sharded ? "holds ZeRO-sharded optimizer state; load it with a ZeRO strategy"
+                             : "holds unsharded (DDP) optimizer state; load it with DDP or SingleProcess"));
+      if constexpr (engine_type::shards_gradients) {
+        const auto numels = m.at("bucket_numels").get<std::vector<std::int64_t>>();
+        if (numels != engine_.bucket_numels())
+          throw checkpoint::CheckpointError(where + "its ZeRO buckets hold " + m.at("bucket_numels").dump() +
+                                            " elements, this trainer's a different layout: use the same "
+                                            "bucket_cap_mb and model");
+        if (saved_world_size(m) == num_processes())
+          torch::load(*optimizer_, (dir / ("optimizer_shard_" + std::to_string(process_index()) + ".pt")).string());
+        else
+          reshard_optimizer_state(dir, saved_world_size(m), numels);
+      } else {
+        torch::load(*optimizer_, (dir / "optimizer.pt").string());
+      }
     }
     if (m.at("custom_objects").get<std::size_t>() != custom_.size())
       throw checkpoint::CheckpointError(where + "holds " + m.at("custom_objects").dump() +
@@ -683,7 +794,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     }
     scaling_.load_state({m.at("loss_scale").get<double>(), m.at("growth_tracker").get<std::int64_t>()});
     // Each rank its own RNG stream; on more ranks than saved, rank r takes r mod saved.
-    const int saved_world = m.at("world_size").get<int>();
+    const int saved_world = saved_world_size(m);
     {
       std::vector<at::Tensor> rng;
       torch::load(rng, (dir / ("random_states_" + std::to_string(process_index() % saved_world) + ".pt")).string());

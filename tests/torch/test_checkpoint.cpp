@@ -48,16 +48,23 @@ void train_until(Trainer& trainer, torch::nn::Sequential& net, Loader& loader, s
   }
 }
 
-// Parameters and Adam state bitwise equal.
+// Parameters and Adam state bitwise equal (the state of whatever the
+// optimizer steps: the parameters, or under ZeRO this rank's shards).
 void require_identical(torch::nn::Sequential& a, torch::optim::Adam& oa, torch::nn::Sequential& b,
                        torch::optim::Adam& ob) {
   auto pa = a->parameters(), pb = b->parameters();
-  for (std::size_t i = 0; i < pa.size(); ++i) {
-    require(pa[i].equal(pb[i]), "parameter " + std::to_string(i) + " bitwise equal");
-    auto& sa = static_cast<torch::optim::AdamParamState&>(*oa.state().at(c10::guts::to_string(pa[i].unsafeGetTensorImpl())));
-    auto& sb = static_cast<torch::optim::AdamParamState&>(*ob.state().at(c10::guts::to_string(pb[i].unsafeGetTensorImpl())));
-    require(sa.step() == sb.step(), "Adam step count");
-    require(sa.exp_avg().equal(sb.exp_avg()) && sa.exp_avg_sq().equal(sb.exp_avg_sq()), "Adam moments bitwise equal");
+  for (std::size_t i = 0; i < pa.size(); ++i) require(pa[i].equal(pb[i]), "parameter " + std::to_string(i) + " bitwise equal");
+  auto key = [](const at::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); };
+  for (std::size_t g = 0; g < oa.param_groups().size(); ++g) {
+    const auto& qa = oa.param_groups()[g].params();
+    const auto& qb = ob.param_groups()[g].params();
+    require(qa.size() == qb.size() && !qa.empty(), "same optimizer layout");
+    for (std::size_t j = 0; j < qa.size(); ++j) {
+      auto& sa = static_cast<torch::optim::AdamParamState&>(*oa.state().at(key(qa[j])));
+      auto& sb = static_cast<torch::optim::AdamParamState&>(*ob.state().at(key(qb[j])));
+      require(sa.step() == sb.step(), "Adam step count");
+      require(sa.exp_avg().equal(sb.exp_avg()) && sa.exp_avg_sq().equal(sb.exp_avg_sq()), "Adam moments bitwise equal");
+    }
   }
 }
 
@@ -99,13 +106,21 @@ TEST_SUITE("checkpoint") {
     fs::remove_all(dir);
   }
 
-  TEST_CASE("a checkpoint saved on 2 ranks resumes on 1 and on 3 ranks and matches the reference") {
+  TEST_CASE("exact resume, 2-rank ZeRO-2 (sharded optimizer state): bitwise equal to an uninterrupted run") {
+    const auto dir = fresh_dir("zero");
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<2>>(dir, 5, 12); }, bounded());
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE_TEMPLATE("a checkpoint saved on 2 ranks resumes on 1 and on 3 ranks and matches the reference", Strategy,
+                     accel::DDP, accel::ZeRO<1>, accel::ZeRO<2>) {
     // Per-rank batch b; steps 0..k-1 on 2 ranks, then k..n-1 on M ranks. The
-    // reference is one process on the same sequence of global batches.
+    // reference is one process on the same sequence of global batches. Under
+    // ZeRO the Adam state is resharded from 2 shards to M.
     const std::int64_t b = 4, k = 3, n = 6;
     const auto dir = fresh_dir("reshard");
     auto train = [&](int rank, int world, std::int64_t from, std::int64_t to, bool load, bool save) {
-      accel::Trainer<accel::DDP> trainer;
+      accel::Trainer<Strategy> trainer(Strategy{.bucket_cap_mb = 0.0002, .first_bucket_cap_mb = 0.0002});
       auto net = tiny_mlp(0);
       torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
       trainer.prepare(net, opt);
@@ -213,6 +228,24 @@ TEST_SUITE("checkpoint") {
       torch::optim::Adam opt(net->parameters());
       trainer.prepare(net, opt);
       CHECK_THROWS_WITH(trainer.load_state(dir), doctest::Contains("is corrupt: optimizer.pt has 10 bytes"));
+    }
+    SUBCASE("DDP state cannot be loaded into a sharded strategy") {
+      accel::spawn(
+          1,
+          [&](int) {
+            accel::Trainer<accel::ZeRO<1>> trainer;
+            auto net = tiny_mlp(0);
+            torch::optim::Adam opt(net->parameters());
+            trainer.prepare(net, opt);
+            try {
+              trainer.load_state(dir);
+            } catch (const accel::checkpoint::CheckpointError& e) {
+              require(std::string(e.what()).find("unsharded (DDP) optimizer state") != std::string::npos, e.what());
+              return;
+            }
+            require(false, "must refuse");
+          },
+          bounded());
     }
     SUBCASE("a directory that is not there") {
       accel::Trainer<> trainer;
