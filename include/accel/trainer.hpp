@@ -50,6 +50,7 @@
 #include "accel/strategy/ddp.hpp"
 #include "accel/strategy/single_process.hpp"
 #include "accel/strategy/zero.hpp"
+#include "accel/strategy/zero3.hpp"
 
 namespace accel {
 
@@ -208,7 +209,9 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     at::Tensor loss;
     {
       [[maybe_unused]] auto scope = autocast();
+      if constexpr (requires { engine_.before_forward(); }) engine_.before_forward();
       loss = forward();
+      if constexpr (requires { engine_.after_forward(); }) engine_.after_forward();
     }
     backward(loss);
     optimizer_step();
@@ -369,6 +372,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     };
     for (const auto& model : models_)
       for (const auto& p : model->parameters()) count(p, bytes.parameters);
+    for (const auto& p : engine_.optimizer_parameters()) count(p, bytes.parameters);  // ZeRO-3's own shards
     for (const auto& model : models_)
       for (const auto& p : model->parameters()) count(p.grad(), bytes.gradients);
     for (const auto& p : engine_.optimizer_parameters()) count(p.grad(), bytes.gradients);
@@ -382,6 +386,13 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
             bytes.optimizer_state += static_cast<std::int64_t>(t.numel() * t.element_size());
         }
     return bytes;
+  }
+
+  /// Accelerate's unwrap_model: the prepared model, whole, on every rank. A
+  /// no-op for strategies that never split it; under ZeRO<3> it gathers the
+  /// parameters for good and ends sharded training (every rank must call it).
+  void unwrap_model() {
+    if constexpr (requires { engine_.unshard_permanently(); }) engine_.unshard_permanently();
   }
 
   // ------------------------------------------------------------ checkpoints
@@ -409,6 +420,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     }
     if (optimizer_ != nullptr && engine_type::shards_gradients)  // each rank its own shard of the state
       torch::save(*optimizer_, (target / ("optimizer_shard_" + std::to_string(process_index()) + ".pt")).string());
+    // ZeRO-3 holds only shards: every rank helps gather the full model first.
+    if constexpr (requires { engine_.gather_full_parameters(); }) engine_.gather_full_parameters();
     if (is_main_process()) {
       for (std::size_t i = 0; i < models_.size(); ++i)
         torch::save(models_[i], (target / ("model_" + std::to_string(i) + ".pt")).string());
@@ -420,6 +433,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         archive.save_to((target / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string());
       }
     }
+    if constexpr (requires { engine_.release_full_parameters(false); }) engine_.release_full_parameters(false);
     wait_for_everyone();
     if (is_main_process()) {
       auto manifest = describe_state();
@@ -752,11 +766,13 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     // Restoring must not be recorded by autograd, and must write in place
     // (DDP's gradient views and the optimizer refer to these tensors).
     c10::NoGradGuard no_grad;
+    if constexpr (requires { engine_.gather_full_parameters(); }) engine_.gather_full_parameters();
     for (std::size_t i = 0; i < models_.size(); ++i) {
       torch::serialize::InputArchive archive;
       archive.load_from((dir / ("model_" + std::to_string(i) + ".pt")).string());
       load_in_place(*models_[i], archive);
     }
+    if constexpr (requires { engine_.release_full_parameters(true); }) engine_.release_full_parameters(true);
     // LibTorch's LRScheduler exposes no state: replay its steps (the
     // optimizer's learning rates are then overwritten by the saved ones).
     if (scheduler_ != nullptr)

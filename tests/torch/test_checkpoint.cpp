@@ -106,14 +106,16 @@ TEST_SUITE("checkpoint") {
     fs::remove_all(dir);
   }
 
-  TEST_CASE("exact resume, 2-rank ZeRO-2 (sharded optimizer state): bitwise equal to an uninterrupted run") {
+  TEST_CASE("exact resume, 2-rank ZeRO-2 and ZeRO-3 (sharded state): bitwise equal to an uninterrupted run") {
     const auto dir = fresh_dir("zero");
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<2>>(dir, 5, 12); }, bounded());
+    fs::remove_all(dir);
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<3>>(dir, 5, 12); }, bounded());
     fs::remove_all(dir);
   }
 
   TEST_CASE_TEMPLATE("a checkpoint saved on 2 ranks resumes on 1 and on 3 ranks and matches the reference", Strategy,
-                     accel::DDP, accel::ZeRO<1>, accel::ZeRO<2>) {
+                     accel::DDP, accel::ZeRO<1>, accel::ZeRO<2>, accel::ZeRO<3>) {
     // Per-rank batch b; steps 0..k-1 on 2 ranks, then k..n-1 on M ranks. The
     // reference is one process on the same sequence of global batches. Under
     // ZeRO the Adam state is resharded from 2 shards to M.

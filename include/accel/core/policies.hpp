@@ -5,6 +5,8 @@
 // compiles in well under a second.
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "accel/core/fwd.hpp"
 
@@ -45,25 +47,57 @@ struct DDP {
   static constexpr bool distributed = true;
 };
 
-/// ZeRO data parallelism (DeepSpeed's stages; FSDP's SHARD_GRAD_OP is stage 2):
-/// stage 1 shards the optimizer state over the ranks, stage 2 the gradients
-/// too. Each rank steps its shard of the parameters, then all-gathers them.
-/// Works with any elementwise torch::optim optimizer (SGD, Adam, AdamW, ...).
+/// How ZeRO<3> (FSDP FULL_SHARD) groups parameters into units, each gathered
+/// whole just before it is used and freed after (Accelerate's fsdp_auto_wrap_policy).
+enum class AutoWrapPolicy {
+  NO_WRAP,                 ///< the whole model is one unit
+  SIZE_BASED_WRAP,         ///< every submodule with at least min_num_params not yet wrapped
+  TRANSFORMER_BASED_WRAP,  ///< every submodule whose class is in transformer_layer_cls_to_wrap
+};
+
+/// ZeRO data parallelism (DeepSpeed's stages; FSDP's SHARD_GRAD_OP is stage 2
+/// and FULL_SHARD stage 3): stage 1 shards the optimizer state over the
+/// ranks, stage 2 the gradients too, stage 3 the parameters too. Works with
+/// any elementwise torch::optim optimizer (SGD, Adam, AdamW, RMSprop, ...).
 ///   accel::Trainer<accel::ZeRO<2>> trainer;
+///   accel::Trainer<accel::ZeRO<3>> t{accel::ZeRO<3>{.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP,
+///                                                  .min_num_params = 1'000'000}};
 template <int Stage>
 struct ZeRO {
-  static_assert(Stage == 1 || Stage == 2,
-                "accel: ZeRO<1> and ZeRO<2> are available; ZeRO<3> (parameter sharding, FSDP FULL_SHARD) is not "
-                "implemented yet: use ZeRO<2> for gradient and optimizer-state sharding");
-  double bucket_cap_mb = 25.0;
+  static_assert(Stage >= 1 && Stage <= 3, "accel: ZeRO stages are 1, 2 and 3");
+  double bucket_cap_mb = 25.0;        ///< stages 1 and 2: gradient bucket size
   double first_bucket_cap_mb = 1.0;
   bool find_unused_parameters = false;
+  AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::NO_WRAP;  ///< stage 3
+  std::int64_t min_num_params = 100'000'000;                   ///< stage 3, SIZE_BASED_WRAP
+  std::vector<std::string> transformer_layer_cls_to_wrap;      ///< stage 3, e.g. {"BlockImpl"}
 
   static constexpr int stage = Stage;
   template <class Precision, class Device>
   using engine = strategy::ZeROEngine<Stage, Precision, Device>;
   static constexpr bool distributed = true;
 };
+
+/// FSDP's names for the same strategies (Accelerate's fsdp_sharding_strategy).
+enum class ShardingStrategy { FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD };
+
+namespace detail {
+template <ShardingStrategy S>
+struct fsdp_policy {
+  static_assert(S != ShardingStrategy::HYBRID_SHARD,
+                "accel: FSDP HYBRID_SHARD (shard within a group, replicate across) is not implemented yet: use "
+                "FULL_SHARD (ZeRO<3>) or SHARD_GRAD_OP (ZeRO<2>)");
+  using type = ZeRO<3>;
+};
+template <>
+struct fsdp_policy<ShardingStrategy::SHARD_GRAD_OP> { using type = ZeRO<2>; };
+template <>
+struct fsdp_policy<ShardingStrategy::NO_SHARD> { using type = DDP; };
+}  // namespace detail
+
+///   accel::Trainer<accel::FSDP<accel::ShardingStrategy::FULL_SHARD>>  // = Trainer<ZeRO<3>>
+template <ShardingStrategy S>
+using FSDP = typename detail::fsdp_policy<S>::type;
 
 // ---------------------------------------------------------------- precision
 

@@ -14,7 +14,7 @@ template <class S, class P, class D>
 struct check_policies {
   static_assert(enable_strategy_policy<S>,
                 "accel: the first Trainer parameter must be a strategy policy "
-                "(accel::SingleProcess, accel::DDP, accel::ZeRO<1>, accel::ZeRO<2>); for a policy of your own, "
+                "(accel::SingleProcess, accel::DDP, accel::ZeRO<1|2|3>, accel::FSDP<...>); for a policy of your own, "
                 "specialise accel::enable_strategy_policy<T> = true");
   static_assert(enable_precision_policy<P>,
                 "accel: the second Trainer parameter must be a precision policy "

@@ -1,0 +1,468 @@
+#pragma once
+// ZeRO stage 3 (FSDP FULL_SHARD): parameters, gradients and optimizer state
+// are all sharded; a unit's full parameters exist only while it computes.
+//
+// NOTE [ZeRO-3 parameter life cycle]
+// LibTorch modules have no forward hooks, so accel watches the operators
+// instead: a RecordFunction observer sees each operator's inputs before it
+// runs. Every unit (from the auto-wrap policy) keeps its parameters as views
+// of flat buffers laid out as in NOTE [ZeRO shards]; between uses those
+// buffers' storage is resized to zero bytes, while the parameter tensors
+// (and any view autograd saved, e.g. weight.t()) keep their shape. When an
+// operator is about to read a freed buffer, the observer all-gathers the
+// unit's shards into it first (writing through a separate tensor, so the
+// version counters autograd checks are untouched):
+//   forward:  gathered on first use; freed when the next unit starts, and all
+//             freed when the forward returns (reshard after forward);
+//   backward: gathered again on first use, with the unit that ran before it
+//             in the forward prefetched asynchronously (backward prefetch);
+//             freed as soon as all its gradients are ready, when its
+//             reduce-scatter is launched.
+// The optimizer steps each rank's shard, a tensor of its own; nothing is
+// gathered after the step (the next forward gathers the updated shards).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "accel/comm/communicator.hpp"
+#include "accel/core/policies.hpp"
+#include "accel/strategy/buckets.hpp"
+#include "accel/strategy/zero.hpp"
+
+namespace accel::strategy {
+
+namespace detail {
+
+struct ShardedUnit {
+  std::string name;
+  std::vector<std::size_t> buckets;
+  bool gathered = true;
+  std::vector<comm::Pending> gathering;  // an in-flight (prefetched) all-gather
+  std::size_t launched = 0;              // buckets whose reduce-scatter started in this backward
+};
+
+class ZeRO3State {
+ public:
+  comm::Communicator* comm = nullptr;
+  std::vector<at::Tensor> flat;    // per bucket: (padded,) full parameters, storage freed between uses
+  std::vector<at::Tensor> shards;  // per bucket: (shard,) this rank's parameters, own storage
+  std::vector<std::size_t> unit_of_bucket;
+  std::vector<ShardedUnit> units;
+  std::unordered_map<const c10::StorageImpl*, std::size_t> unit_of_storage;
+  std::vector<std::size_t> forward_order, last_forward_order;
+  std::size_t root = 0;            // the unit of parameters no wrapped submodule took
+  bool backward = false;
+  bool busy = false;               // re-entrancy guard: our own collectives run operators too
+  std::size_t current = SIZE_MAX;  // the unit the forward is in
+
+  std::size_t bytes(std::size_t b) const { return static_cast<std::size_t>(flat[b].numel() * flat[b].element_size()); }
+
+  void start_gather(std::size_t u) {
+    auto& unit = units[u];
+    if (unit.gathered || !unit.gathering.empty()) return;
+    for (auto b : unit.buckets) {
+      auto* storage = flat[b].storage().unsafeGetStorageImpl();
+      at::native::resize_bytes_cpu(storage, bytes(b));
+      // A separate tensor on the same storage: writing through it leaves
+      // the parameters' version counters (checked by autograd) untouched.
+      auto target = at::empty({0}, flat[b].options()).set_(flat[b].storage(), 0, {flat[b].numel()}, {1});
+      if (!comm->distributed()) {  // one rank: the shard is the whole bucket
+        target.copy_(shards[b].detach());
+        continue;
+      }
+      const std::int64_t shard = shards[b].numel();
+      std::vector<at::Tensor> chunks;
+      for (int r = 0; r < comm->size(); ++r) chunks.push_back(target.narrow(0, r * shard, shard));
+      auto input = shards[b].detach();
+      unit.gathering.push_back(
+          comm->all_gather_into_async(chunks, input, "all-gather of ZeRO-3 unit '" + unit.name + "'"));
+    }
+  }
+
+  void finish_gather(std::size_t u) {
+    auto& unit = units[u];
+    for (auto& pending : unit.gathering) pending.wait();
+    unit.gathering.clear();
+    unit.gathered = true;
+  }
+
+  void gather(std::size_t u) {
+    start_gather(u);
+    finish_gather(u);
+  }
+
+  void release(std::size_t u) {
+    auto& unit = units[u];
+    if (!unit.gathering.empty()) finish_gather(u);
+    if (!unit.gathered) return;
+    for (auto b : unit.buckets) at::native::resize_bytes_cpu(flat[b].storage().unsafeGetStorageImpl(), 0);
+    unit.gathered = false;
+  }
+
+  void release_all() {
+    for (std::size_t u = 0; u < units.size(); ++u) release(u);
+    current = SIZE_MAX;
+  }
+
+  // Called by the observer before an operator that reads unit `u`.
+  void on_use(std::size_t u) {
+    if (!backward && u != current) {
+      if (current != SIZE_MAX && current != root) release(current);
+      current = u;
+      if (std::find(forward_order.begin(), forward_order.end(), u) == forward_order.end()) forward_order.push_back(u);
+    }
+    if (units[u].gathered) return;
+    gather(u);
+    if (backward) {  // prefetch the unit that ran before this one in the forward
+      auto it = std::find(last_forward_order.begin(), last_forward_order.end(), u);
+      if (it != last_forward_order.end() && it != last_forward_order.begin()) start_gather(*(it - 1));
+    }
+  }
+};
+
+// The observer is a plain function; it finds the engine through this
+// pointer, set on the thread that prepared the model (the training thread;
+// on CPU backward runs on it too). Other threads (Gloo's) see nullptr.
+inline thread_local ZeRO3State* active_zero3 = nullptr;
+
+inline std::unique_ptr<at::ObserverContext> zero3_observe(const at::RecordFunction& fn) {
+  ZeRO3State* state = active_zero3;
+  if (state == nullptr || state->busy) return nullptr;
+  auto visit = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return;
+    auto it = state->unit_of_storage.find(t.storage().unsafeGetStorageImpl());
+    if (it == state->unit_of_storage.end()) return;
+    state->busy = true;
+    try {
+      state->on_use(it->second);
+    } catch (...) {
+      state->busy = false;
+      throw;
+    }
+    state->busy = false;
+  };
+  for (const auto& input : fn.inputs()) {
+    if (input.isTensor()) visit(input.toTensor());
+    else if (input.isTensorList())
+      for (const auto& t : input.toTensorVector()) visit(t);
+  }
+  return nullptr;
+}
+
+// Unit assignment by the auto-wrap policy, children before parents (FSDP's
+// bottom-up wrapping); returns, per parameter index, its unit.
+inline std::vector<std::size_t> assign_units(torch::nn::Module& model, const std::vector<at::Tensor>& params,
+                                             AutoWrapPolicy policy, std::int64_t min_num_params,
+                                             const std::vector<std::string>& classes,
+                                             std::vector<std::string>& unit_names) {
+  std::vector<std::size_t> unit(params.size(), SIZE_MAX);
+  auto index_of = [&](const at::Tensor& p) -> std::size_t {
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (params[i].is_same(p)) return i;
+    return SIZE_MAX;
+  };
+  auto class_matches = [&](const torch::nn::Module& m) {
+    const std::string name = m.name();
+    const auto colon = name.rfind("::");
+    const std::string short_name = colon == std::string::npos ? name : name.substr(colon + 2);
+    return std::find(classes.begin(), classes.end(), name) != classes.end() ||
+           std::find(classes.begin(), classes.end(), short_name) != classes.end();
+  };
+  std::function<void(torch::nn::Module&, const std::string&)> visit = [&](torch::nn::Module& m, const std::string& path) {
+    for (auto& child : m.named_children()) visit(*child.value(), path.empty() ? child.key() : path + "." + child.key());
+    if (path.empty() || policy == AutoWrapPolicy::NO_WRAP) return;
+    std::vector<std::size_t> unwrapped;
+    std::int64_t count = 0;
+    for (auto& p : m.parameters()) {
+      const auto i = index_of(p);
+      if (i != SIZE_MAX && unit[i] == SIZE_MAX) {
+        unwrapped.push_back(i);
+        count += p.numel();
+      }
+    }
+    if (unwrapped.empty()) return;
+    const bool wrap = policy == AutoWrapPolicy::SIZE_BASED_WRAP ? count >= min_num_params : class_matches(m);
+    if (!wrap) return;
+    for (auto i : unwrapped) unit[i] = unit_names.size();
+    unit_names.push_back(path);
+  };
+  visit(model, "");
+  const std::size_t root = unit_names.size();
+  unit_names.push_back("(root)");
+  for (auto& u : unit)
+    if (u == SIZE_MAX) u = root;
+  return unit;
+}
+
+}  // namespace detail
+
+template <class Precision, class Device>
+class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
+ public:
+  using settings_type = ZeRO<3>;
+  static constexpr bool shards_gradients = true;
+
+  ZeROEngine(const ZeRO<3>& settings, comm::Communicator& comm)
+      : BucketedEngineBase(BucketSettings{1e12, 1e12, settings.find_unused_parameters, false, comm.size(), "ZeRO<3>"},
+                           comm),
+        settings_(settings),
+        z3_(std::make_shared<detail::ZeRO3State>()) {
+#ifndef NDEBUG
+    // LibTorch release builds lay out RecordFunction without its debug-only
+    // member; observing operators from a debug build would misread it.
+    throw std::logic_error("accel ZeRO<3>: build with -DNDEBUG (meson's release/debugoptimized with b_ndebug), "
+                           "as LibTorch itself is built");
+#endif
+    z3_->comm = &comm;
+    state_->launch = [this](std::size_t b) { launch(b); };
+  }
+  // The model outlives the trainer: give it back whole (a collective, as
+  // every rank destroys its trainer at the same point of the program). Not
+  // while an exception unwinds: the peers may not be there; the parameters
+  // then stay sharded and must not be used.
+  ~ZeROEngine() {
+    if (!detached_ && std::uncaught_exceptions() == 0 && !z3_->shards.empty()) {
+      try {
+        unshard_permanently();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "accel ZeRO<3>: could not gather the full model at shutdown: %s\n", e.what());
+      }
+    }
+    stop_observing();
+  }
+
+  /// Gathers every unit for good and stops sharding: the model is whole on
+  /// every rank again (Trainer::unwrap_model; every rank must call it).
+  void unshard_permanently() {
+    if (detached_) return;
+    gather_full_parameters();
+    stop_observing();
+    detached_ = true;
+  }
+
+  void prepare_model(torch::nn::Module& model) {
+    if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
+    if (!model.parameters().front().is_cpu())
+      throw std::logic_error("accel ZeRO<3>: only CPU tensors are supported so far; use ZeRO<2> on CUDA");
+    collect(model);
+    model_ = &model;
+  }
+
+  void prepare_optimizer(torch::optim::Optimizer& optimizer) {
+    auto& s = *state_;
+    if (model_ == nullptr) throw std::logic_error("accel ZeRO<3>: prepare the model before (or with) the optimizer");
+    if (!optimizer.state().empty())
+      throw std::logic_error("accel ZeRO: prepare the optimizer before its first step (its state would be lost)");
+    std::vector<std::string> unit_names;
+    const auto unit_of_param = detail::assign_units(*model_, s.params, settings_.auto_wrap_policy,
+                                                    settings_.min_num_params,
+                                                    settings_.transformer_layer_cls_to_wrap, unit_names);
+    auto& groups = optimizer.param_groups();
+    auto group_of = [&](const at::Tensor& p) {
+      for (std::size_t g = 0; g < groups.size(); ++g)
+        for (const auto& q : groups[g].params())
+          if (q.is_same(p)) return static_cast<int>(g);
+      return -1;
+    };
+    // Buckets never straddle units: the bucket key is (unit, group).
+    plan_buckets([&](const at::Tensor& p) {
+      for (std::size_t i = 0; i < s.params.size(); ++i)
+        if (s.params[i].is_same(p)) return static_cast<int>(unit_of_param[i]) * 4096 + group_of(p) + 1;
+      return -1;
+    });
+    auto& z = *z3_;
+    z.units.resize(unit_names.size());
+    for (std::size_t u = 0; u < unit_names.size(); ++u) z.units[u].name = unit_names[u];
+    z.root = unit_names.size() - 1;
+    const int world = s.comm->size(), rank = s.comm->rank();
+    c10::NoGradGuard no_grad;
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      auto& bucket = s.buckets[b];
+      const std::size_t u = unit_of_param[bucket.params.front()];
+      bucket.group = bucket.group % 4096 - 1;  // back to the optimizer group
+      const auto& first = s.params[bucket.params.front()];
+      at::Tensor flat = at::zeros({bucket.padded}, first.options().requires_grad(false));
+      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+        auto& p = s.params[bucket.params[k]];
+        auto view = flat.narrow(0, bucket.offsets[k], p.numel());
+        view.copy_(p.reshape({-1}));
+        p.set_data(view.view(p.sizes()));
+      }
+      const std::int64_t shard = bucket.padded / world;
+      z.flat.push_back(flat);
+      z.shards.push_back(flat.narrow(0, rank * shard, shard).clone().requires_grad_(true));
+      grad_shards_.push_back(at::zeros({shard}, flat.options()));
+      z.unit_of_bucket.push_back(u);
+      z.units[u].buckets.push_back(b);
+      z.unit_of_storage[flat.storage().unsafeGetStorageImpl()] = u;
+    }
+    for (auto& group : groups) group.params().clear();
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      z.shards[b].mutable_grad() = grad_shards_[b];
+      if (s.buckets[b].group >= 0) groups[s.buckets[b].group].params().push_back(z.shards[b]);
+    }
+    z.release_all();
+    work_.resize(s.buckets.size());
+    received_.resize(s.buckets.size());
+    register_hooks();
+    detail::active_zero3 = z3_.get();
+    observer_ = at::addGlobalCallback(at::RecordFunctionCallback(&detail::zero3_observe).needsInputs(true));
+  }
+
+  void before_forward() {
+    require_attached();
+    z3_->backward = false;
+    z3_->forward_order.clear();
+    z3_->current = SIZE_MAX;
+  }
+  void after_forward() {
+    z3_->last_forward_order = z3_->forward_order;
+    z3_->release_all();  // reshard after forward
+  }
+
+  void before_backward(const at::Tensor& loss) {
+    require_attached();
+    if (z3_->shards.empty())
+      throw std::logic_error("accel ZeRO<3>: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
+    if (z3_->last_forward_order.empty()) z3_->last_forward_order = z3_->forward_order;
+    z3_->backward = true;
+    for (auto& unit : z3_->units) unit.launched = 0;
+    allocate_gradients();
+    mark_unused_ready(loss);
+  }
+
+  void synchronize_gradients() {
+    auto& s = *state_;
+    s.check_all_ready();
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      work_[b].wait();
+      if (received_[b].defined()) {
+        at::sum_out(grad_shards_[b], received_[b].view({s.comm->size(), -1}), {0});
+        received_[b] = at::Tensor();
+      }
+    }
+    s.reset();
+    for (auto& bucket : s.buckets) bucket.grad = at::Tensor();
+    for (std::size_t i = 0; i < s.params.size(); ++i) {
+      s.params[i].mutable_grad() = at::Tensor();
+      s.grad_views[i] = at::Tensor();
+    }
+    z3_->backward = false;
+    z3_->release_all();
+  }
+
+  void after_optimizer_step() {}
+
+  void zero_grad(torch::optim::Optimizer&) {
+    for (auto& g : grad_shards_) g.zero_();
+  }
+
+  const std::vector<at::Tensor>& optimizer_parameters() const { return z3_->shards; }
+
+  std::vector<std::int64_t> bucket_numels() const {
+    std::vector<std::int64_t> out;
+    for (const auto& bucket : state_->buckets) out.push_back(bucket.numel);
+    return out;
+  }
+
+  /// Checkpoints: every unit gathered (all ranks call it), then released;
+  /// after a load, each rank's shards are taken from the loaded parameters.
+  void gather_full_parameters() {
+    z3_->busy = true;
+    for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->gather(u);
+    z3_->busy = false;
+  }
+  void release_full_parameters(bool loaded) {
+    auto& z = *z3_;
+    if (loaded) {
+      c10::NoGradGuard no_grad;
+      for (std::size_t b = 0; b < z.shards.size(); ++b) {
+        const std::int64_t shard = z.shards[b].numel();
+        z.shards[b].copy_(z.flat[b].narrow(0, state_->comm->rank() * shard, shard));
+      }
+    }
+    z.release_all();
+  }
+
+  // ------------------------------------------------------------ introspection
+  std::size_t unit_count() const { return z3_->units.size(); }
+  const std::string& unit_name(std::size_t u) const { return z3_->units.at(u).name; }
+  bool unit_gathered(std::size_t u) const { return z3_->units.at(u).gathered; }
+  /// Bytes of full (gathered) parameters this rank holds right now.
+  std::int64_t gathered_bytes() const {
+    std::int64_t total = 0;
+    for (const auto& f : z3_->flat) total += static_cast<std::int64_t>(f.storage().nbytes());
+    return total;
+  }
+  /// The largest unit's full parameters, in bytes.
+  std::int64_t largest_unit_bytes() const {
+    std::int64_t largest = 0;
+    for (const auto& unit : z3_->units) {
+      std::int64_t sum = 0;
+      for (auto b : unit.buckets) sum += static_cast<std::int64_t>(z3_->bytes(b));
+      largest = std::max(largest, sum);
+    }
+    return largest;
+  }
+
+ private:
+  void require_attached() const {
+    if (detached_) throw std::logic_error("accel ZeRO<3>: the model was unwrapped (unwrap_model): training with this trainer is over");
+  }
+
+  void stop_observing() {
+    if (observer_) at::removeCallback(*observer_);
+    observer_.reset();
+    if (detail::active_zero3 == z3_.get()) detail::active_zero3 = nullptr;
+  }
+
+  void launch(std::size_t b) {
+    auto& s = *state_;
+    auto& grad = s.buckets[b].grad;
+    if (s.comm->distributed()) grad.div_(s.comm->size());
+    const std::string what = "reduce-scatter of ZeRO-3 gradient bucket " + std::to_string(b);
+    if (!s.comm->distributed()) {
+      grad_shards_[b].copy_(grad);
+    } else {
+      received_[b] = at::empty_like(grad);
+      work_[b] = s.comm->all_to_all_async(received_[b], grad, what);
+    }
+    // The unit's gradients are complete: its backward is over, free its parameters.
+    auto& unit = z3_->units[z3_->unit_of_bucket[b]];
+    if (++unit.launched == unit.buckets.size()) {
+      z3_->busy = true;
+      z3_->release(z3_->unit_of_bucket[b]);
+      z3_->busy = false;
+    }
+  }
+
+  ZeRO<3> settings_;
+  std::shared_ptr<detail::ZeRO3State> z3_;
+  torch::nn::Module* model_ = nullptr;
+  std::optional<at::CallbackHandle> observer_;
+  bool detached_ = false;
+  std::vector<at::Tensor> grad_shards_;
+  std::vector<at::Tensor> received_;
+  std::vector<comm::Pending> work_;
+};
+
+}  // namespace accel::strategy
