@@ -1,4 +1,6 @@
-// DDP training throughput of accel::Trainer<accel::DDP>, with per-phase timing.
+// Data-parallel training throughput of accel::Trainer<accel::DDP>,
+// Trainer<accel::ZeRO<1>> and Trainer<accel::ZeRO<2>>, with per-phase timing
+// and this rank's model-state bytes.
 //
 //   ./build/tools/accel launch --num_processes 2 ./build/bench/ddp_throughput [flags]
 //   ./build/bench/ddp_throughput [flags]            # one process: the compute-only reference
@@ -13,19 +15,28 @@
 //   --plain 1                time trainer.step() as one block (no phase split)
 //   --comm_probe K           afterwards, K rounds of the same bucket all-reduces
 //                            without any compute (communication floor)
-//   --tag NAME               label on the RESULT line
+//   --tag NAME               label on the RESULT line (default accel_<strategy>)
+//   --strategy ddp|zero1|zero2|zero3   Trainer<DDP> (default), Trainer<ZeRO<1|2|3>> (zero3: size-based units, --min_num_params)
+//   --optimizer sgd|adam     SGD(lr=0.01) (default) or Adam(lr=1e-3)
 //
 // Rank 0 prints one machine-readable line:
-//   RESULT tag=NAME world=W global_samples_per_s=X steps_per_s=Y
-// Every rank prints its phase times (median ms per step).
+//   RESULT tag=NAME world=W global_samples_per_s=X steps_per_s=Y step_ms=Z
+//          param_bytes=P grad_bytes=G optim_bytes=O
+// (step_ms: the slowest rank's mean wall time per step; the bytes are rank 0's
+// trainer.model_state_bytes() after the timed steps.) Every rank prints its
+// phase times (median ms per step) and its own model-state bytes.
 //
-// The phases split Trainer::step exactly as it runs it (trainer.hpp):
-// forward (under the precision's autocast scope), trainer.backward(loss),
-// engine.synchronize_gradients() (waiting for the bucket all-reduces that
-// backward launched), optimizer.step(), trainer.zero_grad().
+// The phases split Trainer::step exactly as it runs it (trainer.hpp; FP32,
+// no scheduler, so unscale is a no-op): forward (under the precision's
+// autocast scope), trainer.backward(loss), engine.synchronize_gradients()
+// (waiting for the bucket all-reduces / reduce-scatters that backward
+// launched), optimizer.step(), engine.after_optimizer_step() ("gather": ZeRO's
+// all-gather of the updated parameter shards; a no-op under DDP),
+// trainer.zero_grad().
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include <accel/trainer.hpp>
@@ -37,8 +48,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -82,25 +95,40 @@ Stats stats_of(std::vector<double> v) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  bench::one_thread();
+template <class Strategy>
+int run(int argc, char** argv, const std::string& strategy_name) {
   const int steps = std::stoi(flag(argc, argv, "steps", "60"));
   const int warmup = std::stoi(flag(argc, argv, "warmup", "10"));
   const std::int64_t batch = std::stoll(flag(argc, argv, "batch", "64"));
   const auto widths = parse_widths(flag(argc, argv, "widths", "512,1024,1024,1024,10"));
   const bool plain = flag(argc, argv, "plain", "0") == "1";
   const int comm_probe = std::stoi(flag(argc, argv, "comm_probe", "0"));
-  const std::string tag = flag(argc, argv, "tag", "accel_ddp");
+  const std::string tag = flag(argc, argv, "tag", "accel_" + strategy_name);
+  const std::string optimizer_name = flag(argc, argv, "optimizer", "sgd");
+  if (optimizer_name != "sgd" && optimizer_name != "adam") {
+    std::fprintf(stderr, "ddp_throughput: --optimizer must be sgd or adam, got '%s'\n", optimizer_name.c_str());
+    return EXIT_FAILURE;
+  }
 
-  accel::DDP settings;
+  Strategy settings;
   settings.bucket_cap_mb = std::stod(flag(argc, argv, "bucket_cap_mb", std::to_string(settings.bucket_cap_mb)));
   settings.first_bucket_cap_mb =
       std::stod(flag(argc, argv, "first_bucket_cap_mb", std::to_string(settings.first_bucket_cap_mb)));
 
-  accel::Trainer<accel::DDP> trainer{settings};
+  if constexpr (std::is_same_v<Strategy, accel::ZeRO<3>>) {
+    // One unit per large layer (each 1024x1024 Linear), as FSDP's size-based wrap would.
+    settings.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP;
+    settings.min_num_params = std::stoll(flag(argc, argv, "min_num_params", "500000"));
+  }
+  accel::Trainer<Strategy> trainer{settings};
   trainer.set_seed(0);
   bench::MLP model(widths);
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01));
+  std::unique_ptr<torch::optim::Optimizer> optimizer_owner;
+  if (optimizer_name == "adam")
+    optimizer_owner = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+  else
+    optimizer_owner = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.01));
+  torch::optim::Optimizer& optimizer = *optimizer_owner;
   trainer.prepare(model, optimizer);
   auto& engine = trainer.strategy_engine();
 
@@ -117,13 +145,14 @@ int main(int argc, char** argv) {
     std::snprintf(buf, sizeof buf, "%s%.2f", b ? " " : "", n * 4.0 / (1024.0 * 1024.0));
     layout << buf;
   }
-  trainer.print("model", model->parameters().size(), "tensors, buckets (MiB):", layout.str(), "| bucket_cap_mb",
+  trainer.print("strategy", strategy_name, "optimizer", optimizer_name, "| model", model->parameters().size(),
+                "tensors, buckets (MiB):", layout.str(), "| bucket_cap_mb",
                 settings.bucket_cap_mb, "first_bucket_cap_mb", settings.first_bucket_cap_mb);
 
   // Synthetic data, different on every rank (as a sharded loader would give).
   const auto batches = bench::make_batches(8, batch, widths.front(), widths.back(), 1000 + trainer.process_index());
 
-  std::vector<double> t_fwd, t_bwd, t_sync, t_opt, t_zero, t_total;
+  std::vector<double> t_fwd, t_bwd, t_sync, t_opt, t_gather, t_zero, t_total;
   auto run_step = [&](int i, bool record) {
     const auto& b = batches[i % batches.size()];
     const auto t0 = Clock::now();
@@ -142,8 +171,10 @@ int main(int argc, char** argv) {
     const auto t2 = Clock::now();
     engine.synchronize_gradients();  // = the first half of trainer.optimizer_step()
     const auto t3 = Clock::now();
-    optimizer.step();  // = its second half
+    optimizer.step();  // = its second half (FP32: no unscale, no scheduler here) ...
     const auto t4 = Clock::now();
+    engine.after_optimizer_step();  // ... then ZeRO's all-gather of the updated shards (DDP: nothing)
+    const auto t4g = Clock::now();
     trainer.zero_grad();
     const auto t5 = Clock::now();
     if (!record) return;
@@ -152,7 +183,8 @@ int main(int argc, char** argv) {
     t_bwd.push_back(d(t1, t2));
     t_sync.push_back(d(t2, t3));
     t_opt.push_back(d(t3, t4));
-    t_zero.push_back(d(t4, t5));
+    t_gather.push_back(d(t4, t4g));
+    t_zero.push_back(d(t4g, t5));
     t_total.push_back(d(t0, t5));
   };
 
@@ -166,7 +198,7 @@ int main(int argc, char** argv) {
   const double main_cpu = (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread_cpu0) / steps;
   trainer.wait_for_everyone();
 
-  const auto all = trainer.gather(at::tensor(std::vector<double>{mine}));
+  const at::Tensor all = trainer.gather(at::tensor(std::vector<double>{mine}));
   const double slowest = all.max().item<double>();
   const double samples = static_cast<double>(steps) * batch * trainer.num_processes();
 
@@ -177,22 +209,31 @@ int main(int argc, char** argv) {
                   trainer.process_index(), s.median, s.p90, s.max, s.mean);
   } else {
     auto f = stats_of(t_fwd), bw = stats_of(t_bwd), sy = stats_of(t_sync), op = stats_of(t_opt),
-         z = stats_of(t_zero), tt = stats_of(t_total);
+         g = stats_of(t_gather), z = stats_of(t_zero), tt = stats_of(t_total);
     std::snprintf(line, sizeof line,
                   "[process %d] per-step ms (median/mean): forward %.1f/%.1f backward %.1f/%.1f "
-                  "sync_wait %.1f/%.1f (p90 %.1f max %.1f) optimizer %.1f/%.1f zero_grad %.1f/%.1f total %.1f/%.1f\n",
+                  "sync_wait %.1f/%.1f (p90 %.1f max %.1f) optimizer %.1f/%.1f gather %.1f/%.1f (p90 %.1f max %.1f) "
+                  "zero_grad %.1f/%.1f total %.1f/%.1f\n",
                   trainer.process_index(), f.median, f.mean, bw.median, bw.mean, sy.median, sy.mean, sy.p90, sy.max,
-                  op.median, op.mean, z.median, z.mean, tt.median, tt.mean);
+                  op.median, op.mean, g.median, g.mean, g.p90, g.max, z.median, z.mean, tt.median, tt.mean);
   }
   std::fputs(line, stdout);
   std::printf("[process %d] CPU ms per step: whole process %.1f, training thread %.1f, other threads (Gloo) %.1f; "
               "wall %.1f\n",
               trainer.process_index(), process_cpu, main_cpu, process_cpu - main_cpu, 1e3 * mine / steps);
+  const auto state = trainer.model_state_bytes();
+  std::printf("[process %d] model state bytes: parameters %lld gradients %lld optimizer_state %lld total %lld\n",
+              trainer.process_index(), static_cast<long long>(state.parameters),
+              static_cast<long long>(state.gradients), static_cast<long long>(state.optimizer_state),
+              static_cast<long long>(state.total()));
   std::fflush(stdout);
   trainer.wait_for_everyone();
   if (trainer.is_main_process())
-    std::printf("RESULT tag=%s world=%d global_samples_per_s=%.1f steps_per_s=%.2f\n", tag.c_str(),
-                trainer.num_processes(), samples / slowest, steps / slowest);
+    std::printf("RESULT tag=%s world=%d global_samples_per_s=%.1f steps_per_s=%.2f step_ms=%.2f param_bytes=%lld "
+                "grad_bytes=%lld optim_bytes=%lld\n",
+                tag.c_str(), trainer.num_processes(), samples / slowest, steps / slowest, 1e3 * slowest / steps,
+                static_cast<long long>(state.parameters), static_cast<long long>(state.gradients),
+                static_cast<long long>(state.optimizer_state));
   std::fflush(stdout);
 
   // Communication floor: the same bucket all-reduces (persistent buffers,
@@ -238,4 +279,16 @@ int main(int argc, char** argv) {
     trainer.wait_for_everyone();
   }
   return EXIT_SUCCESS;
+}
+
+int main(int argc, char** argv) {
+  bench::one_thread();
+  const std::string strategy = flag(argc, argv, "strategy", "ddp");
+  if (strategy == "ddp") return run<accel::DDP>(argc, argv, strategy);
+  if (strategy == "zero1") return run<accel::ZeRO<1>>(argc, argv, strategy);
+  if (strategy == "zero2") return run<accel::ZeRO<2>>(argc, argv, strategy);
+  if (strategy == "zero3") return run<accel::ZeRO<3>>(argc, argv, strategy);
+  std::fprintf(stderr, "ddp_throughput: --strategy must be ddp, zero1, zero2 or zero3, got '%s'\n",
+               strategy.c_str());
+  return EXIT_FAILURE;
 }

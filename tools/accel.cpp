@@ -12,6 +12,7 @@
 #include "cli/config.hpp"
 #include "cli/env_report.hpp"
 #include "cli/launch.hpp"
+#include "accel/checkpoint/files.hpp"
 #include "cli/plan.hpp"
 #include "cli/settings.hpp"
 
@@ -28,6 +29,7 @@ const char* const main_usage =
     "  launch   run a program as this machine's processes of a distributed job\n"
     "  config   write a JSON config file for accel launch (accel config default: defaults only)\n"
     "  env      show accel's version, the machine, the default config and launcher variables\n"
+    "  export   copy a checkpoint's full model to one file: accel export <checkpoint dir> <model.pt>\n"
     "\n"
     "Run accel <command> --help for its flags. accel --version prints the version.\n";
 
@@ -135,6 +137,26 @@ int env_command(const std::vector<std::string>& args) {
   return 0;
 }
 
+int export_command(const std::vector<std::string>& args) {
+  if (!args.empty() && (args[0] == "-h" || args[0] == "--help")) {
+    std::fputs("usage: accel export <checkpoint dir> <model.pt> [--model N]\n\nChecks the checkpoint (complete, "
+               "sizes as its manifest says) and writes its full model (model N, default 0) to one LibTorch file,\n"
+               "loadable with torch::load into the unsharded model, whatever strategy saved it.\n",
+               stdout);
+    return 0;
+  }
+  int model = 0;
+  std::vector<std::string> positional;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--model" && i + 1 < args.size()) model = std::stoi(args[++i]);
+    else positional.push_back(args[i]);
+  }
+  if (positional.size() != 2) throw UsageError("expected <checkpoint dir> <model.pt> (usage: accel export --help)");
+  accel::checkpoint::export_model(positional[0], positional[1], model);
+  std::printf("accel export: wrote %s\n", positional[1].c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -157,7 +179,8 @@ int main(int argc, char** argv) {
     if (command == "launch") return launch_command(args);
     if (command == "config") return config_command(args);
     if (command == "env") return env_command(args);
-    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env; see accel --help)\n",
+    if (command == "export") return export_command(args);
+    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env, export; see accel --help)\n",
                  command.c_str());
     return exit_usage;
   } catch (const UsageError& e) {

@@ -207,6 +207,35 @@ TEST_SUITE("checkpoint") {
     for (const auto& p : {first, second, marker}) fs::remove_all(p);
   }
 
+  TEST_CASE("a ZeRO-3 checkpoint from 2 ranks consolidates into one model file that a plain model loads") {
+    const auto dir = fresh_dir("export"), out = fresh_dir("export.pt");
+    const auto expected = fresh_dir("expected.pt");
+    accel::spawn(
+        2,
+        [&](int rank) {
+          accel::Trainer<accel::ZeRO<3>> trainer(accel::ZeRO<3>{.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP,
+                                                                 .min_num_params = 50});
+          auto net = tiny_mlp(0);
+          torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+          trainer.prepare(net, opt);
+          for (int step = 0; step < 3; ++step) {
+            auto batch = global_batch(step, 8);
+            trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4)); });
+          }
+          trainer.save_state(dir);
+          trainer.unwrap_model();  // the whole model on every rank: the expected export
+          if (rank == 0) torch::save(net, expected.string());
+        },
+        bounded());
+    accel::checkpoint::export_model(dir, out);
+    auto plain = tiny_mlp(7), reference = tiny_mlp(8);
+    torch::load(plain, out.string());
+    torch::load(reference, expected.string());
+    CHECK(max_param_diff(*plain, *reference) == 0.0);
+    CHECK_THROWS_WITH(accel::checkpoint::export_model(dir, out, 3), doctest::Contains("there is no model 3"));
+    for (const auto& p : {dir, out, expected}) fs::remove_all(p);
+  }
+
   TEST_CASE("bad checkpoints are rejected with what is wrong") {
     const auto dir = fresh_dir("bad");
     {

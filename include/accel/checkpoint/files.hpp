@@ -90,6 +90,23 @@ inline nlohmann::json file_sizes(const fs::path& dir) {
   return files;
 }
 
+/// Consolidation for export: the full model of a (possibly sharded)
+/// checkpoint as one LibTorch file, loadable with torch::load into the
+/// unsharded model. accel always saves the model whole (ZeRO-3 gathers it
+/// unit by unit first), so this checks the manifest and the file, then
+/// copies it atomically; the optimizer state stays sharded in the checkpoint.
+///   accel export checkpoints/checkpoint_7 model.pt
+inline void export_model(const fs::path& dir, const fs::path& out, int model_index = 0) {
+  const auto manifest = read_manifest(dir);
+  const auto models = manifest.at("models").size();
+  if (model_index < 0 || static_cast<std::size_t>(model_index) >= models)
+    throw CheckpointError("accel: checkpoint " + dir.string() + " holds " + std::to_string(models) +
+                          " model(s); there is no model " + std::to_string(model_index));
+  const fs::path temp = out.string() + ".tmp";
+  fs::copy_file(dir / ("model_" + std::to_string(model_index) + ".pt"), temp, fs::copy_options::overwrite_existing);
+  fs::rename(temp, out);
+}
+
 /// `checkpoint_<n>` folders under `root`, oldest first.
 inline std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::path& root) {
   std::vector<std::pair<long, fs::path>> found;
