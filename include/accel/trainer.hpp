@@ -146,6 +146,24 @@ void check_launcher_precision() {
                              ": change the Trainer's Precision policy or the --mixed_precision flag");
 }
 
+// `accel launch` with an fsdp_config exports FSDP_SHARDING_STRATEGY (a name,
+// or Accelerate's older 1-4 numbering); it must name the compiled strategy.
+template <class Strategy>
+void check_launcher_sharding() {
+  auto requested = comm::process_environment("FSDP_SHARDING_STRATEGY");
+  if (!requested) return;
+  static const char* numbered[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"};
+  std::string name = *requested;
+  if (name.size() == 1 && name[0] >= '1' && name[0] <= '4') name = numbered[name[0] - '1'];
+  const char* compiled = nullptr;
+  if constexpr (requires { Strategy::fsdp_sharding_strategy; }) compiled = Strategy::fsdp_sharding_strategy;
+  if (compiled == nullptr || name != compiled)
+    throw ConfigurationError("accel: the launcher asked for fsdp_sharding_strategy=" + name +
+                             " but this program's Trainer strategy is " +
+                             (compiled ? std::string("FSDP ") + compiled : std::string("not an FSDP strategy")) +
+                             ": use accel::FSDP<accel::ShardingStrategy::" + name + "> or change the config");
+}
+
 }  // namespace detail
 
 template <class Strategy = SingleProcess, class Precision = FP32, class Device = CPU>
@@ -168,6 +186,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         accumulation_steps_(detail::accumulation_steps(options.gradient_accumulation_steps)) {
     (void)device;
     detail::check_launcher_precision<Precision>();
+    detail::check_launcher_sharding<Strategy>();
   }
   explicit Trainer(TrainerOptions options) : Trainer(Strategy{}, Precision{}, Device{}, options) {}
   Trainer(Strategy strategy, TrainerOptions options) : Trainer(strategy, Precision{}, Device{}, options) {}

@@ -2,7 +2,7 @@
 """Compile-fail tests: every snippet with an `// expect-error: REGEX` line must
 fail to compile with a diagnostic matching REGEX; every `// expect-pass`
 snippet (the twins) must compile, so a broken harness cannot pass."""
-import argparse, pathlib, re, subprocess, sys
+import argparse, concurrent.futures, os, pathlib, re, subprocess, sys
 
 def parse(argv, markers=('--compiler', '--flags', '--snippets')):
     """Sections introduced by markers; values may start with '-' (compiler flags)."""
@@ -18,25 +18,27 @@ def parse(argv, markers=('--compiler', '--flags', '--snippets')):
 
 args = parse(sys.argv[1:])
 
-failures, checked = [], 0
-for snippet in sorted(pathlib.Path(args.snippets[0]).glob('*.cpp')):
+def check(snippet):
+    """(name, ok, detail) for one snippet; None when it declares no expectation."""
     text = snippet.read_text()
     expect = re.search(r'^// expect-error: (.+)$', text, re.M)
     expect_pass = re.search(r'^// expect-pass$', text, re.M)
     if not expect and not expect_pass:
-        failures.append(f'{snippet.name}: has neither "// expect-error:" nor "// expect-pass"')
-        continue
+        return snippet.name, False, 'has neither "// expect-error:" nor "// expect-pass"'
     result = subprocess.run(args.compiler + args.flags + [str(snippet)], capture_output=True, text=True)
-    checked += 1
     if expect_pass:
-        ok = result.returncode == 0
-        detail = result.stderr[-2000:]
-    else:
-        ok = result.returncode != 0 and re.search(expect.group(1), result.stderr) is not None
-        detail = f'expected an error matching {expect.group(1)!r}, got exit {result.returncode}:\n{result.stderr[-2000:]}'
-    print(f'{"ok  " if ok else "FAIL"} {snippet.name}')
-    if not ok:
-        failures.append(f'{snippet.name}: {detail}')
+        return snippet.name, result.returncode == 0, result.stderr[-2000:]
+    ok = result.returncode != 0 and re.search(expect.group(1), result.stderr) is not None
+    return snippet.name, ok, f'expected an error matching {expect.group(1)!r}, got exit {result.returncode}:\n{result.stderr[-2000:]}'
+
+snippets = sorted(pathlib.Path(args.snippets[0]).glob('*.cpp'))
+failures = []
+with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    for name, ok, detail in pool.map(check, snippets):
+        print(f'{"ok  " if ok else "FAIL"} {name}')
+        if not ok:
+            failures.append(f'{name}: {detail}')
+checked = len(snippets)
 
 for f in failures:
     print(f, file=sys.stderr)

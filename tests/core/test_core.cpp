@@ -27,6 +27,12 @@ static_assert(!accel::device_policy<accel::FP32>);
 static_assert(!accel::step_function<float (*)()>);
 static_assert(!accel::step_function<int>);
 
+// FSDP's names are the ZeRO stages (and DDP).
+static_assert(std::is_same_v<accel::FSDP<accel::ShardingStrategy::FULL_SHARD>, accel::ZeRO<3>>);
+static_assert(std::is_same_v<accel::FSDP<accel::ShardingStrategy::SHARD_GRAD_OP>, accel::ZeRO<2>>);
+static_assert(std::is_same_v<accel::FSDP<accel::ShardingStrategy::NO_SHARD>, accel::DDP>);
+static_assert(accel::strategy_policy<accel::ZeRO<1>> && accel::strategy_policy<accel::ZeRO<3>>);
+
 // Settings are aggregates with designated initialisers and sensible defaults.
 static_assert(accel::DDP{}.bucket_cap_mb == 25.0 && accel::DDP{}.first_bucket_cap_mb == 1.0);
 static_assert(accel::DDP{.bucket_cap_mb = 50}.bucket_cap_mb == 50.0);

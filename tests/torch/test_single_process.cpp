@@ -90,6 +90,15 @@ TEST_SUITE("single_process") {
     for (auto* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
   }
 
+  TEST_CASE("a launcher asking for another FSDP sharding strategy than the compiled one is an error") {
+    ::setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD", 1);
+    CHECK_THROWS_WITH_AS(accel::Trainer<>{}, doctest::Contains("use accel::FSDP<accel::ShardingStrategy::FULL_SHARD>"),
+                         accel::ConfigurationError);
+    ::setenv("FSDP_SHARDING_STRATEGY", "2", 1);  // Accelerate's numbering: SHARD_GRAD_OP
+    CHECK_THROWS_WITH(accel::Trainer<>{}, doctest::Contains("fsdp_sharding_strategy=SHARD_GRAD_OP"));
+    ::unsetenv("FSDP_SHARDING_STRATEGY");
+  }
+
   TEST_CASE("a launcher asking for another precision than the compiled one is an error") {
     ::setenv("ACCELERATE_MIXED_PRECISION", "bf16", 1);
     CHECK_THROWS_WITH_AS(accel::Trainer<>{}, doctest::Contains("mixed_precision=bf16"), accel::ConfigurationError);

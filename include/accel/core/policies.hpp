@@ -45,6 +45,7 @@ struct DDP {
   template <class Precision, class Device>
   using engine = strategy::DDPEngine<Precision, Device>;
   static constexpr bool distributed = true;
+  static constexpr const char* fsdp_sharding_strategy = "NO_SHARD";
 };
 
 /// How ZeRO<3> (FSDP FULL_SHARD) groups parameters into units, each gathered
@@ -76,6 +77,9 @@ struct ZeRO {
   template <class Precision, class Device>
   using engine = strategy::ZeROEngine<Stage, Precision, Device>;
   static constexpr bool distributed = true;
+  /// FSDP's name for this stage (ZeRO-1 has none).
+  static constexpr const char* fsdp_sharding_strategy =
+      Stage == 3 ? "FULL_SHARD" : Stage == 2 ? "SHARD_GRAD_OP" : nullptr;
 };
 
 /// FSDP's names for the same strategies (Accelerate's fsdp_sharding_strategy).
