@@ -3,8 +3,8 @@
 // (widths 512-H-H-H-10, batch 64) and the same data, one intra-op thread.
 //
 //   meson test -C build --benchmark --verbose         # the benchmark() target below
-//   ./build/bench/bench_trainer --benchmark_repetitions=9 \
-//       --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true
+//   ./build/bench/bench_trainer --benchmark_repetitions=9
+//       --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true  (one line)
 //
 // Three families, each over H in {128, 1024}:
 //   BM_HandLoop/H     the plain LibTorch loop

@@ -110,8 +110,9 @@ int main(int argc, char** argv) {
     }
     const double samples_per_s =
         static_cast<double>(batches * batch_size * trainer.num_processes()) / seconds;
-    std::printf("[process %d] epoch %lld: mean loss %.4f over %lld batches\n", trainer.process_index(),
-                static_cast<long long>(epoch), loss_sum / batches, static_cast<long long>(batches));
+    // Every process reports its own progress (accel launch prefixes the rank).
+    std::printf("epoch %lld: mean loss %.4f over this process's %lld batches\n", static_cast<long long>(epoch),
+                loss_sum / batches, static_cast<long long>(batches));
     trainer.print("epoch", epoch, "accuracy", static_cast<double>(correct) / seen, "on", seen,
                   "test samples; global samples/s", static_cast<long long>(samples_per_s));
   }

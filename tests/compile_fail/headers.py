@@ -1,20 +1,10 @@
 #!/usr/bin/env python3
 """Header self-containment: each header, included alone first in a TU, compiles."""
-import argparse, subprocess, sys, tempfile, os
+import os, subprocess, sys, tempfile
 
-def parse(argv, markers=('--compiler', '--flags', '--headers')):
-    """Sections introduced by markers; values may start with '-' (compiler flags)."""
-    sections, current = {m: [] for m in markers}, None
-    for arg in argv:
-        if arg in markers:
-            current = arg
-        elif current is None:
-            sys.exit(f'unexpected argument {arg!r}')
-        else:
-            sections[current].append(arg)
-    return argparse.Namespace(**{m.lstrip('-'): v for m, v in sections.items()})
+from sections import parse
 
-args = parse(sys.argv[1:])
+args = parse(sys.argv[1:], ('--compiler', '--flags', '--headers'))
 
 failed = 0
 for header in args.headers:

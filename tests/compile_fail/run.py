@@ -2,24 +2,14 @@
 """Compile-fail tests: every snippet with an `// expect-error: REGEX` line must
 fail to compile with a diagnostic matching REGEX; every `// expect-pass`
 snippet (the twins) must compile, so a broken harness cannot pass."""
-import argparse, concurrent.futures, os, pathlib, re, subprocess, sys
+import concurrent.futures, os, pathlib, re, subprocess, sys
 
-def parse(argv, markers=('--compiler', '--flags', '--snippets')):
-    """Sections introduced by markers; values may start with '-' (compiler flags)."""
-    sections, current = {m: [] for m in markers}, None
-    for arg in argv:
-        if arg in markers:
-            current = arg
-        elif current is None:
-            sys.exit(f'unexpected argument {arg!r}')
-        else:
-            sections[current].append(arg)
-    return argparse.Namespace(**{m.lstrip('-'): v for m, v in sections.items()})
+from sections import parse
 
-args = parse(sys.argv[1:])
+args = parse(sys.argv[1:], ('--compiler', '--flags', '--snippets'))
 
 def check(snippet):
-    """(name, ok, detail) for one snippet; None when it declares no expectation."""
+    """(name, ok, detail) for one snippet."""
     text = snippet.read_text()
     expect = re.search(r'^// expect-error: (.+)$', text, re.M)
     expect_pass = re.search(r'^// expect-pass$', text, re.M)

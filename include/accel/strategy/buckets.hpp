@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -220,6 +221,30 @@ class BucketedEngineBase {
     }
     check_same_model_everywhere(model);
     broadcast_from_rank0(model);
+  }
+
+  /// Moves bucket `b`'s parameters into one flat (padded,) buffer, each
+  /// parameter becoming a view of it; the tail is padding (NOTE [ZeRO shards]).
+  at::Tensor flatten_parameters(std::size_t b) {
+    auto& s = *state_;
+    const auto& bucket = s.buckets[b];
+    c10::NoGradGuard no_grad;
+    at::Tensor flat = at::zeros({bucket.padded}, s.params[bucket.params.front()].options().requires_grad(false));
+    for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+      auto& p = s.params[bucket.params[k]];
+      auto view = flat.narrow(0, bucket.offsets[k], p.numel());
+      view.copy_(p.reshape({-1}));
+      p.set_data(view.view(p.sizes()));
+    }
+    return flat;
+  }
+
+  /// The optimizer parameter group holding `p`, or -1 (reduced, never stepped).
+  static int optimizer_group_of(const std::vector<torch::optim::OptimizerParamGroup>& groups, const at::Tensor& p) {
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      for (const auto& q : groups[g].params())
+        if (q.is_same(p)) return static_cast<int>(g);
+    return -1;
   }
 
   void allocate_gradients() {

@@ -64,26 +64,14 @@ class ZeROEngine : public BucketedEngineBase {
     if (!optimizer.state().empty())
       throw std::logic_error("accel ZeRO: prepare the optimizer before its first step (its state would be lost)");
     auto& groups = optimizer.param_groups();
-    plan_buckets([&](const at::Tensor& p) {
-      for (std::size_t g = 0; g < groups.size(); ++g)
-        for (const auto& q : groups[g].params())
-          if (q.is_same(p)) return static_cast<int>(g);
-      return -1;  // trained by no optimizer group: reduced, never stepped
-    });
+    plan_buckets([&](const at::Tensor& p) { return optimizer_group_of(groups, p); });
     const int world = s.comm->size(), rank = s.comm->rank();
-    c10::NoGradGuard no_grad;
-    for (auto& bucket : s.buckets) {
-      const auto& first = s.params[bucket.params.front()];
-      // (padded,) the bucket's parameters, each a view; the tail is padding
-      at::Tensor flat = at::zeros({bucket.padded}, first.options().requires_grad(false));
-      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
-        auto& p = s.params[bucket.params[k]];
-        auto view = flat.narrow(0, bucket.offsets[k], p.numel());
-        view.copy_(p.reshape({-1}));
-        p.set_data(view.view(p.sizes()));
-      }
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      const auto& bucket = s.buckets[b];
+      at::Tensor flat = flatten_parameters(b);  // (padded,)
       const std::int64_t shard = bucket.padded / world;
       // (shard,) this rank's slice of the flat parameters: what the optimizer steps
+      c10::NoGradGuard no_grad;
       at::Tensor mine = flat.narrow(0, rank * shard, shard).detach().requires_grad_(true);
       param_flat_.push_back(flat);
       shards_.push_back(mine);

@@ -277,16 +277,10 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
                                                     settings_.min_num_params,
                                                     settings_.transformer_layer_cls_to_wrap, unit_names);
     auto& groups = optimizer.param_groups();
-    auto group_of = [&](const at::Tensor& p) {
-      for (std::size_t g = 0; g < groups.size(); ++g)
-        for (const auto& q : groups[g].params())
-          if (q.is_same(p)) return static_cast<int>(g);
-      return -1;
-    };
     // Buckets never straddle units: the bucket key is (unit, group).
     plan_buckets([&](const at::Tensor& p) {
       for (std::size_t i = 0; i < s.params.size(); ++i)
-        if (s.params[i].is_same(p)) return static_cast<int>(unit_of_param[i]) * 4096 + group_of(p) + 1;
+        if (s.params[i].is_same(p)) return static_cast<int>(unit_of_param[i]) * 4096 + optimizer_group_of(groups, p) + 1;
       return -1;
     });
     auto& z = *z3_;
@@ -299,14 +293,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
       auto& bucket = s.buckets[b];
       const std::size_t u = unit_of_param[bucket.params.front()];
       bucket.group = bucket.group % 4096 - 1;  // back to the optimizer group
-      const auto& first = s.params[bucket.params.front()];
-      at::Tensor flat = at::zeros({bucket.padded}, first.options().requires_grad(false));
-      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
-        auto& p = s.params[bucket.params[k]];
-        auto view = flat.narrow(0, bucket.offsets[k], p.numel());
-        view.copy_(p.reshape({-1}));
-        p.set_data(view.view(p.sizes()));
-      }
+      at::Tensor flat = flatten_parameters(b);  // (padded,)
       const std::int64_t shard = bucket.padded / world;
       z.flat.push_back(flat);
       z.shards.push_back(flat.narrow(0, rank * shard, shard).clone().requires_grad_(true));
