@@ -32,47 +32,13 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(dirname "$here")"
-build="${1:-$root/build}"
-rounds="${ROUNDS:-3}"
-seconds="${SECONDS_PER_RUN:-5}"
-python="${PYTHON:-/usr/bin/python3}"
-extra_accel_args=(${EXTRA_ACCEL_ARGS:-})
-prog="$build/bench/ddp_throughput"
-launcher="$build/tools/accel"
-
-export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
-
-if [[ ! -x "$prog" || ! -x "$launcher" ]]; then
-  ninja -C "$build" bench/ddp_throughput tools/accel >&2
-fi
-"$python" -c 'import torch' 2>/dev/null || { echo "error: $python has no torch (apt-get install python3-torch)" >&2; exit 1; }
-
-log="$(mktemp -d)"
-trap 'rm -rf "$log"' EXIT
-
-# field $2 (e.g. global_samples_per_s) of the RESULT line in file $1
-field_of() {
-  local v
-  v="$(grep -o "RESULT .*" "$1" | tail -1 | grep -o "\b$2=[0-9.]*" | head -1 | cut -d= -f2)"
-  if [[ -z "$v" ]]; then
-    echo "error: no RESULT line with $2 in this run's output:" >&2
-    cat "$1" >&2
-    exit 1
-  fi
-  echo "$v"
-}
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else printf "%.4f\n", (a[NR/2]+a[NR/2+1])/2}'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.4f", a / b}'; }
-max() { awk -v a="$1" -v b="$2" 'BEGIN {print (a > b ? a : b)}'; }
+source "$here/bench_lib.sh"
+bench_setup 5 "$@"
 
 # Calibrate the step counts so that each run's timed part takes ~$seconds.
-"$prog" --optimizer adam --steps 30 --warmup 5 --tag calibrate >"$log/cal" 2>&1 || { cat "$log/cal" >&2; exit 1; }
-single_steps_per_s="$(field_of "$log/cal" steps_per_s)"
-steps_for() { awk -v s="$single_steps_per_s" -v f="$1" -v t="$seconds" 'BEGIN {n = int(s * f * t); print (n < 20 ? 20 : n)}'; }
+calibrate --optimizer adam
 steps_accel="$(steps_for 0.45)"
 steps_torch="$(steps_for 0.25)"
-warm() { max 5 $(($1 / 10)); }
 echo "calibration: one accel process (Adam) ran $single_steps_per_s steps/s; steps per run: accel $steps_accel," \
      "PyTorch ZeRO-1 $steps_torch (+10% warm-up); $rounds rounds"
 

@@ -63,7 +63,7 @@ struct TrainerOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   /// Micro-batches per optimizer step. Unset: ACCELERATE_GRADIENT_ACCUMULATION_STEPS
   /// (what `accel launch --gradient_accumulation_steps` sets), else 1.
-  std::optional<int> gradient_accumulation_steps;
+  std::optional<int> gradient_accumulation_steps{};
   /// Where `save_state()` without a directory writes: project_dir/checkpoints/checkpoint_<n>.
   std::filesystem::path project_dir = ".";
   /// Keep at most this many automatically named checkpoints (0: keep all).
@@ -246,6 +246,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   class MicroStep {
    public:
     explicit MicroStep(Trainer& trainer) { trainer.begin_micro_step(); }
+    ~MicroStep() {}  // user-provided: a scope object, which compilers must not call "unused"
     MicroStep(const MicroStep&) = delete;
     MicroStep& operator=(const MicroStep&) = delete;
   };

@@ -4,7 +4,7 @@
 // messages, and that no rank process outlives a failed job.
 
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
-#include <doctest/doctest.h>
+#include "../support/doctest.hpp"
 
 #include <fcntl.h>
 #include <poll.h>

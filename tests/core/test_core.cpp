@@ -2,7 +2,7 @@
 // reading the job layout from launcher variables, the process supervisor.
 // This binary has no LibTorch on its include path.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
-#include <doctest/doctest.h>
+#include "../support/doctest.hpp"
 
 #include <chrono>
 #include <map>

@@ -13,4 +13,21 @@
 #undef CHECK_LT
 #undef CHECK_GE
 #undef CHECK_GT
-#include <doctest/doctest.h>
+#include "../support/doctest.hpp"
+
+#include <initializer_list>
+
+namespace accel::testing {
+
+/// Runs `fn(world, rank)` on every rank of a spawn of each size in `worlds`,
+/// one after the other, with the world size CAPTUREd. Here rather than in
+/// helpers.hpp because it needs doctest, which must come after LibTorch.
+template <class Fn>
+void spawn_each(std::initializer_list<int> worlds, Fn&& fn, const accel::SpawnOptions& options = bounded()) {
+  for (int world : worlds) {
+    CAPTURE(world);
+    accel::spawn(world, [&](int rank) { fn(world, rank); }, options);
+  }
+}
+
+}  // namespace accel::testing

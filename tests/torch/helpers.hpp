@@ -1,5 +1,6 @@
 #pragma once
-// Shared by the LibTorch tests: tiny models, deterministic data, comparisons.
+// Shared by the LibTorch tests: tiny models, deterministic data, comparisons,
+// bounded spawns and the files that failure tests report through.
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randint.h>
@@ -9,8 +10,13 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <unistd.h>
 
+#include <accel/accel.hpp>
+#include <chrono>
 #include <cstdint>
+#include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -57,5 +63,62 @@ inline double max_param_diff(torch::nn::Module& a, torch::nn::Module& b) {
 inline void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("check failed: " + what);
 }
+
+/// Spawn options with a timeout: a rank that hangs fails the test instead of stalling it.
+inline accel::SpawnOptions bounded(std::chrono::seconds timeout = std::chrono::seconds(90)) {
+  accel::SpawnOptions options;
+  options.timeout = timeout;
+  return options;
+}
+
+/// A path in /tmp unique to this test process, for results the ranks write.
+inline std::string temp_path(const std::string& name) {
+  return "/tmp/accel_test_" + std::to_string(::getpid()) + "_" + name;
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+/// The file's text ("" when there is none), and the file removed.
+inline std::string take_file(const std::string& path) {
+  std::string text = read_file(path);
+  ::unlink(path.c_str());
+  return text;
+}
+
+/// Runs `collective()` and writes to `result` how it ended: "no error", or
+/// "seconds=S WHAT" when it threw CollectiveError after S seconds. The
+/// failure tests read it back with take_file and failure_seconds.
+template <class Collective>
+void report_collective_failure(const std::string& result, Collective&& collective) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    collective();
+    std::ofstream(result) << "no error";
+  } catch (const accel::comm::CollectiveError& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::ofstream(result) << "seconds=" << s << " " << e.what();
+  }
+}
+
+/// For the tests of a rank that never joins: runs `fn(rank, result)` on 2
+/// ranks within 60 s, the survivor left to fail by itself, and returns (and
+/// removes) what was written to `result`, a fresh temp_path(name).
+template <class Fn>
+std::string spawn_two_and_read_report(const std::string& name, Fn&& fn) {
+  const std::string result = temp_path(name);
+  auto options = bounded(std::chrono::seconds(60));
+  options.stop_on_failure = false;
+  accel::spawn(2, [&](int rank) { fn(rank, result); }, options);
+  return take_file(result);
+}
+
+/// Whether `text` (from report_collective_failure) reports a failure.
+inline bool reports_failure(const std::string& text) { return text.rfind("seconds=", 0) == 0; }
+
+/// The seconds a reported failure took; call after reports_failure(text).
+inline double failure_seconds(const std::string& text) { return std::stod(text.substr(8)); }
 
 }  // namespace accel::testing

@@ -1,7 +1,7 @@
 // The LibTorch test binary's entry point: one intra-op thread, as every rank
 // of a 2-core job gets, and no thread pool for forked ranks to inherit.
 #define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "../support/doctest.hpp"
 
 #include <ATen/Parallel.h>
 

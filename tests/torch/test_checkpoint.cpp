@@ -23,12 +23,6 @@ fs::path fresh_dir(const std::string& name) {
   return dir;
 }
 
-accel::SpawnOptions bounded() {
-  accel::SpawnOptions options;
-  options.timeout = 120s;
-  return options;
-}
-
 accel::data::TensorDataset dataset(std::int64_t n) {
   auto batch = global_batch(12345, n);
   return {batch.x, batch.y};
@@ -96,21 +90,21 @@ TEST_SUITE("checkpoint") {
   TEST_CASE("exact resume, one process: interrupted after step k, resumed to n, bitwise equal to an "
             "uninterrupted run (model, Adam state, data order, RNG)") {
     const auto dir = fresh_dir("single");
-    accel::spawn(1, [&](int) { interrupted_equals_uninterrupted<accel::SingleProcess>(dir, 5, 20); }, bounded());
+    accel::spawn(1, [&](int) { interrupted_equals_uninterrupted<accel::SingleProcess>(dir, 5, 20); }, bounded(120s));
     fs::remove_all(dir);
   }
 
   TEST_CASE("exact resume, 2-rank DDP: bitwise equal to an uninterrupted run") {
     const auto dir = fresh_dir("ddp");
-    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::DDP>(dir, 5, 12); }, bounded());
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::DDP>(dir, 5, 12); }, bounded(120s));
     fs::remove_all(dir);
   }
 
   TEST_CASE("exact resume, 2-rank ZeRO-2 and ZeRO-3 (sharded state): bitwise equal to an uninterrupted run") {
     const auto dir = fresh_dir("zero");
-    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<2>>(dir, 5, 12); }, bounded());
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<2>>(dir, 5, 12); }, bounded(120s));
     fs::remove_all(dir);
-    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<3>>(dir, 5, 12); }, bounded());
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<3>>(dir, 5, 12); }, bounded(120s));
     fs::remove_all(dir);
   }
 
@@ -134,7 +128,7 @@ TEST_SUITE("checkpoint") {
       if (save) trainer.save_state(dir);
       return net;
     };
-    accel::spawn(2, [&](int rank) { train(rank, 2, 0, k, false, true); }, bounded());
+    accel::spawn(2, [&](int rank) { train(rank, 2, 0, k, false, true); }, bounded(120s));
     for (int world : {1, 3}) {
       CAPTURE(world);
       accel::spawn(
@@ -152,7 +146,7 @@ TEST_SUITE("checkpoint") {
             const double diff = max_param_diff(*net, *reference);
             require(diff < 1e-5, "resumed on " + std::to_string(world) + " ranks: diff " + std::to_string(diff));
           },
-          bounded());
+          bounded(120s));
     }
     fs::remove_all(dir);
   }
@@ -226,7 +220,7 @@ TEST_SUITE("checkpoint") {
           trainer.unwrap_model();  // the whole model on every rank: the expected export
           if (rank == 0) torch::save(net, expected.string());
         },
-        bounded());
+        bounded(120s));
     accel::checkpoint::export_model(dir, out);
     auto plain = tiny_mlp(7), reference = tiny_mlp(8);
     torch::load(plain, out.string());
@@ -276,7 +270,7 @@ TEST_SUITE("checkpoint") {
             }
             require(false, "must refuse");
           },
-          bounded());
+          bounded(120s));
     }
     SUBCASE("a directory that is not there") {
       accel::Trainer<> trainer;

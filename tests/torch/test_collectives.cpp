@@ -6,7 +6,6 @@
 #include <accel/comm/collectives.hpp>
 
 #include <chrono>
-#include <fstream>
 #include <thread>
 
 #include "doctest_torch.hpp"
@@ -18,12 +17,6 @@ using accel::comm::reduce_scatter;
 using accel::comm::shard_range;
 
 namespace {
-
-accel::SpawnOptions bounded(std::chrono::seconds timeout = 90s) {
-  accel::SpawnOptions options;
-  options.timeout = timeout;
-  return options;
-}
 
 accel::comm::Communicator connect_gloo(std::chrono::milliseconds timeout = 20s) {
   return accel::comm::Communicator::connect(accel::comm::world_from_environment(), accel::comm::BackendKind::gloo,
@@ -62,15 +55,6 @@ at::Tensor reference_shard(MakeInput make, int world, int rank, std::int64_t num
 std::string describe(const char* what, std::int64_t numel, int world, int rank) {
   return std::string(what) + " numel=" + std::to_string(numel) + " world=" + std::to_string(world) +
          " rank=" + std::to_string(rank);
-}
-
-std::string temp_path(const std::string& name) {
-  return "/tmp/accel_test_" + std::to_string(::getpid()) + "_" + name;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 }  // namespace
@@ -129,69 +113,57 @@ TEST_SUITE("collectives") {
   }
 
   TEST_CASE("reduce_scatter: this rank's shard of the sum, 2 and 3 ranks, divisible and not, empty shards") {
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [world](int rank) {
-            auto comm = connect_gloo();
-            std::uint64_t seed = 1;
-            for (std::int64_t numel : sizes_for(world)) {
-              // Integer-valued fp32 and int64: exact whatever order the ring adds in.
-              for (auto dtype : {at::kFloat, at::kLong}) {
-                auto make = [&](int q) { return int_valued_input(seed, q, numel, dtype); };
-                auto got = reduce_scatter(comm, make(rank), "test reduce-scatter");
-                auto want = reference_shard(make, world, rank, numel, dtype);
-                require(got.scalar_type() == dtype, describe("dtype kept", numel, world, rank));
-                require(got.sizes() == want.sizes() && got.equal(want), describe("exact sum", numel, world, rank));
-                ++seed;
-              }
-              // Random fp64: equal up to summation order.
-              auto make = [&](int q) { return random_input(seed, q, numel, at::kDouble); };
-              auto got = reduce_scatter(comm, make(rank), "test reduce-scatter");
-              auto want = reference_shard(make, world, rank, numel, at::kDouble);
-              require(got.sizes() == want.sizes() && (numel == 0 || got.allclose(want, 0, 1e-12)),
-                      describe("fp64 sum", numel, world, rank));
-              ++seed;
-            }
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int world, int rank) {
+      auto comm = connect_gloo();
+      std::uint64_t seed = 1;
+      for (std::int64_t numel : sizes_for(world)) {
+        // Integer-valued fp32 and int64: exact whatever order the ring adds in.
+        for (auto dtype : {at::kFloat, at::kLong}) {
+          auto make = [&](int q) { return int_valued_input(seed, q, numel, dtype); };
+          auto got = reduce_scatter(comm, make(rank), "test reduce-scatter");
+          auto want = reference_shard(make, world, rank, numel, dtype);
+          require(got.scalar_type() == dtype, describe("dtype kept", numel, world, rank));
+          require(got.sizes() == want.sizes() && got.equal(want), describe("exact sum", numel, world, rank));
+          ++seed;
+        }
+        // Random fp64: equal up to summation order.
+        auto make = [&](int q) { return random_input(seed, q, numel, at::kDouble); };
+        auto got = reduce_scatter(comm, make(rank), "test reduce-scatter");
+        auto want = reference_shard(make, world, rank, numel, at::kDouble);
+        require(got.sizes() == want.sizes() && (numel == 0 || got.allclose(want, 0, 1e-12)),
+                describe("fp64 sum", numel, world, rank));
+        ++seed;
+      }
+    });
   }
 
   TEST_CASE("all_gather_flat: shard_range pieces reconstruct the original exactly, any dtype") {
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [world](int rank) {
-            auto comm = connect_gloo();
-            std::uint64_t seed = 100;
-            for (std::int64_t numel : sizes_for(world)) {
-              // bool and int16 are refused by 1.13's Gloo all-gather; they travel as bytes here.
-              for (auto dtype : {at::kFloat, at::kDouble, at::kLong, at::kShort, at::kBool, at::kBFloat16}) {
-                auto original = dtype == at::kBool ? int_valued_input(seed, 0, numel, at::kLong).gt(0)
-                                                   : random_input(seed, 0, numel, at::kDouble).mul(100).to(dtype);
-                const auto s = shard_range(numel, world, rank);
-                auto mine = original.narrow(0, s.offset, s.size).clone();
-                auto full = all_gather_flat(comm, mine, numel, "test all-gather");
-                require(full.scalar_type() == dtype, describe("dtype kept", numel, world, rank));
-                require(full.sizes() == original.sizes() && full.equal(original),
-                        describe(c10::toString(dtype), numel, world, rank));
-                ++seed;
-              }
-            }
-            // A shard of the wrong size is refused before anything is sent.
-            bool refused = false;
-            try {
-              all_gather_flat(comm, at::zeros({5}), 4, "test");
-            } catch (const std::invalid_argument&) {
-              refused = true;
-            }
-            require(refused, "mis-sized shard refused");
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int world, int rank) {
+      auto comm = connect_gloo();
+      std::uint64_t seed = 100;
+      for (std::int64_t numel : sizes_for(world)) {
+        // bool and int16 are refused by 1.13's Gloo all-gather; they travel as bytes here.
+        for (auto dtype : {at::kFloat, at::kDouble, at::kLong, at::kShort, at::kBool, at::kBFloat16}) {
+          auto original = dtype == at::kBool ? int_valued_input(seed, 0, numel, at::kLong).gt(0)
+                                             : random_input(seed, 0, numel, at::kDouble).mul(100).to(dtype);
+          const auto s = shard_range(numel, world, rank);
+          auto mine = original.narrow(0, s.offset, s.size).clone();
+          auto full = all_gather_flat(comm, mine, numel, "test all-gather");
+          require(full.scalar_type() == dtype, describe("dtype kept", numel, world, rank));
+          require(full.sizes() == original.sizes() && full.equal(original),
+                  describe(c10::toString(dtype), numel, world, rank));
+          ++seed;
+        }
+      }
+      // A shard of the wrong size is refused before anything is sent.
+      bool refused = false;
+      try {
+        all_gather_flat(comm, at::zeros({5}), 4, "test");
+      } catch (const std::invalid_argument&) {
+        refused = true;
+      }
+      require(refused, "mis-sized shard refused");
+    });
   }
 
   TEST_CASE("reduce_scatter then all_gather_flat is an all-reduce (the ZeRO gradient/parameter round trip)") {
@@ -211,95 +183,69 @@ TEST_SUITE("collectives") {
   }
 
   TEST_CASE("bf16 on Gloo: reduce_scatter sums as fp32 and returns bf16") {
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [world](int rank) {
-            auto comm = connect_gloo();
-            std::uint64_t seed = 300;
-            for (std::int64_t numel : sizes_for(world)) {
-              // Integer-valued: exact.
-              auto make_int = [&](int q) { return int_valued_input(seed, q, numel, at::kBFloat16); };
-              auto got = reduce_scatter(comm, make_int(rank), "test bf16 reduce-scatter");
-              require(got.scalar_type() == at::kBFloat16, describe("bf16 kept", numel, world, rank));
-              require(got.equal(reference_shard(make_int, world, rank, numel, at::kBFloat16)),
-                      describe("bf16 exact sum", numel, world, rank));
-              ++seed;
-              // Random: the fp32 sum rounded once, so within one bf16 rounding of the exact sum.
-              auto make = [&](int q) { return random_input(seed, q, numel, at::kBFloat16); };
-              auto rounded = reduce_scatter(comm, make(rank), "test bf16 reduce-scatter").to(at::kDouble);
-              auto exact = reference_shard(make, world, rank, numel, at::kDouble);
-              require(numel == 0 || rounded.allclose(exact, 1.0 / 128, 1e-6), describe("bf16 sum", numel, world, rank));
-              ++seed;
-            }
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int world, int rank) {
+      auto comm = connect_gloo();
+      std::uint64_t seed = 300;
+      for (std::int64_t numel : sizes_for(world)) {
+        // Integer-valued: exact.
+        auto make_int = [&](int q) { return int_valued_input(seed, q, numel, at::kBFloat16); };
+        auto got = reduce_scatter(comm, make_int(rank), "test bf16 reduce-scatter");
+        require(got.scalar_type() == at::kBFloat16, describe("bf16 kept", numel, world, rank));
+        require(got.equal(reference_shard(make_int, world, rank, numel, at::kBFloat16)),
+                describe("bf16 exact sum", numel, world, rank));
+        ++seed;
+        // Random: the fp32 sum rounded once, so within one bf16 rounding of the exact sum.
+        auto make = [&](int q) { return random_input(seed, q, numel, at::kBFloat16); };
+        auto rounded = reduce_scatter(comm, make(rank), "test bf16 reduce-scatter").to(at::kDouble);
+        auto exact = reference_shard(make, world, rank, numel, at::kDouble);
+        require(numel == 0 || rounded.allclose(exact, 1.0 / 128, 1e-6), describe("bf16 sum", numel, world, rank));
+        ++seed;
+      }
+    });
   }
 
   TEST_CASE("reduce_scatter sends (n-1)/n of the input per rank, counted at the send calls") {
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [world](int rank) {
-            auto comm = connect_gloo();
-            for (std::int64_t numel : {std::int64_t{6 * 1024}, std::int64_t{6 * 1024 + 1}, std::int64_t{2}}) {
-              const std::uint64_t input_bytes = static_cast<std::uint64_t>(numel) * sizeof(float);
-              const std::uint64_t before = comm.p2p_bytes_sent();
-              reduce_scatter(comm, int_valued_input(1, rank, numel, at::kFloat), "test bytes");
-              const std::uint64_t sent = comm.p2p_bytes_sent() - before;
-              // Every shard but this rank's own leaves this rank, once.
-              const auto own = shard_range(numel, world, rank);
-              require(sent == input_bytes - static_cast<std::uint64_t>(own.size) * sizeof(float),
-                      describe("sent = input - own shard", numel, world, rank) + " sent=" + std::to_string(sent));
-              if (numel % world == 0)
-                require(sent * world == input_bytes * (world - 1),
-                        describe("(n-1)/n exactly", numel, world, rank) + " sent=" + std::to_string(sent));
-            }
-            // bf16 goes as fp32: twice its own width, the price of one rounding.
-            const std::int64_t numel = 6 * 1024;
-            const std::uint64_t before = comm.p2p_bytes_sent();
-            reduce_scatter(comm, int_valued_input(2, rank, numel, at::kBFloat16), "test bytes");
-            require((comm.p2p_bytes_sent() - before) * world == numel * sizeof(float) * (world - 1),
-                    "bf16 moves (n-1)/n of the tensor as fp32");
-            // all_gather_flat uses no point-to-point sends at all.
-            const std::uint64_t before_gather = comm.p2p_bytes_sent();
-            all_gather_flat(comm, at::zeros({shard_range(numel, world, rank).size}), numel, "test bytes");
-            require(comm.p2p_bytes_sent() == before_gather, "all-gather sends nothing point-to-point");
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int world, int rank) {
+      auto comm = connect_gloo();
+      for (std::int64_t numel : {std::int64_t{6 * 1024}, std::int64_t{6 * 1024 + 1}, std::int64_t{2}}) {
+        const std::uint64_t input_bytes = static_cast<std::uint64_t>(numel) * sizeof(float);
+        const std::uint64_t before = comm.p2p_bytes_sent();
+        reduce_scatter(comm, int_valued_input(1, rank, numel, at::kFloat), "test bytes");
+        const std::uint64_t sent = comm.p2p_bytes_sent() - before;
+        // Every shard but this rank's own leaves this rank, once.
+        const auto own = shard_range(numel, world, rank);
+        require(sent == input_bytes - static_cast<std::uint64_t>(own.size) * sizeof(float),
+                describe("sent = input - own shard", numel, world, rank) + " sent=" + std::to_string(sent));
+        if (numel % world == 0)
+          require(sent * world == input_bytes * (world - 1),
+                  describe("(n-1)/n exactly", numel, world, rank) + " sent=" + std::to_string(sent));
+      }
+      // bf16 goes as fp32: twice its own width, the price of one rounding.
+      const std::int64_t numel = 6 * 1024;
+      const std::uint64_t before = comm.p2p_bytes_sent();
+      reduce_scatter(comm, int_valued_input(2, rank, numel, at::kBFloat16), "test bytes");
+      require((comm.p2p_bytes_sent() - before) * world == numel * sizeof(float) * (world - 1),
+              "bf16 moves (n-1)/n of the tensor as fp32");
+      // all_gather_flat uses no point-to-point sends at all.
+      const std::uint64_t before_gather = comm.p2p_bytes_sent();
+      all_gather_flat(comm, at::zeros({shard_range(numel, world, rank).size}), numel, "test bytes");
+      require(comm.p2p_bytes_sent() == before_gather, "all-gather sends nothing point-to-point");
+    });
   }
 
   TEST_CASE("a rank that never joins reduce_scatter: the other fails after the timeout, naming op and rank") {
-    const std::string result = temp_path("collectives_hang");
-    auto options = bounded(60s);
-    options.stop_on_failure = false;
-    accel::spawn(
-        2,
-        [&result](int rank) {
-          auto comm = connect_gloo(2s);
-          if (rank == 1) {
-            std::this_thread::sleep_for(5s);  // alive but absent: only the timeout can end rank 0's wait
-            return;
-          }
-          const auto t0 = std::chrono::steady_clock::now();
-          try {
-            reduce_scatter(comm, at::ones({100}), "reduce-scatter of ZeRO gradients");
-            std::ofstream(result) << "no error";
-          } catch (const accel::comm::CollectiveError& e) {
-            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            std::ofstream(result) << "seconds=" << s << " " << e.what();
-          }
-        },
-        options);
-    const std::string text = read_file(result);
-    ::unlink(result.c_str());
+    const std::string text = spawn_two_and_read_report("collectives_hang", [](int rank, const std::string& result) {
+      auto comm = connect_gloo(2s);
+      if (rank == 1) {
+        std::this_thread::sleep_for(5s);  // alive but absent: only the timeout can end rank 0's wait
+        return;
+      }
+      report_collective_failure(result,
+                                [&] { reduce_scatter(comm, at::ones({100}), "reduce-scatter of ZeRO gradients"); });
+    });
     INFO(text);
-    REQUIRE(text.rfind("seconds=", 0) == 0);
-    const double seconds = std::stod(text.substr(8));
+    REQUIRE(reports_failure(text));
+    const double seconds = failure_seconds(text);
     CHECK(seconds >= 1.5);
     CHECK(seconds < 5.0);
     CHECK(text.find("rank 0: reduce-scatter of ZeRO gradients") != std::string::npos);

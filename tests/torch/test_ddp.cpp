@@ -10,7 +10,6 @@
 
 #include <chrono>
 #include <csignal>
-#include <fstream>
 #include <thread>
 
 #include "doctest_torch.hpp"
@@ -19,21 +18,6 @@ using namespace accel::testing;
 using namespace std::chrono_literals;
 
 namespace {
-
-accel::SpawnOptions bounded(std::chrono::seconds timeout = 90s) {
-  accel::SpawnOptions options;
-  options.timeout = timeout;
-  return options;
-}
-
-std::string temp_path(const std::string& name) {
-  return "/tmp/accel_test_" + std::to_string(::getpid()) + "_" + name;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 // Trains `steps` SGD-with-momentum steps on a plain single process with the
 // global batch: the reference every DDP run must match.
@@ -55,29 +39,23 @@ TEST_SUITE("ddp") {
   TEST_CASE("equivalence: 2 and 3 ranks with batch b equal one process on the global batch") {
     // Tolerance 1e-5 (fp32): the reductions sum in a different order than
     // the single process's matmul does, so bits may differ, values must not.
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [world](int rank) {
-            const std::int64_t per_rank = 6, steps = 5;
-            // Several small buckets, so bucketing and launch order are exercised.
-            accel::Trainer<accel::DDP> trainer(accel::DDP{.bucket_cap_mb = 0.0005, .first_bucket_cap_mb = 0.0002});
-            auto net = tiny_mlp(rank == 0 ? 0 : 99);  // other ranks start elsewhere: prepare broadcasts rank 0's
-            torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-            trainer.prepare(net, opt);
-            require(trainer.strategy_engine().bucket_count() > 2, "several buckets");
-            for (int step = 0; step < steps; ++step) {
-              auto batch = global_batch(step, per_rank * world);
-              auto x = batch.x.narrow(0, rank * per_rank, per_rank), y = batch.y.narrow(0, rank * per_rank, per_rank);
-              trainer.step([&] { return loss_of(net, x, y); });
-            }
-            auto reference = single_process_reference(steps, per_rank * world);
-            const double diff = max_param_diff(*net, *reference);
-            require(diff < 1e-5, "max |DDP - single process| = " + std::to_string(diff));
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int world, int rank) {
+      const std::int64_t per_rank = 6, steps = 5;
+      // Several small buckets, so bucketing and launch order are exercised.
+      accel::Trainer<accel::DDP> trainer(accel::DDP{.bucket_cap_mb = 0.0005, .first_bucket_cap_mb = 0.0002});
+      auto net = tiny_mlp(rank == 0 ? 0 : 99);  // other ranks start elsewhere: prepare broadcasts rank 0's
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      trainer.prepare(net, opt);
+      require(trainer.strategy_engine().bucket_count() > 2, "several buckets");
+      for (int step = 0; step < steps; ++step) {
+        auto batch = global_batch(step, per_rank * world);
+        auto x = batch.x.narrow(0, rank * per_rank, per_rank), y = batch.y.narrow(0, rank * per_rank, per_rank);
+        trainer.step([&] { return loss_of(net, x, y); });
+      }
+      auto reference = single_process_reference(steps, per_rank * world);
+      const double diff = max_param_diff(*net, *reference);
+      require(diff < 1e-5, "max |DDP - single process| = " + std::to_string(diff));
+    });
   }
 
   TEST_CASE("overlap: the first bucket's all-reduce is issued before backward has finished") {
@@ -114,28 +92,22 @@ TEST_SUITE("ddp") {
   }
 
   TEST_CASE("gather_for_metrics counts every sample exactly once when the dataset does not divide") {
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [](int) {
-            accel::Trainer<accel::DDP> trainer;
-            const std::int64_t n = 11;
-            auto loader = trainer.prepare(
-                accel::data::TensorDataset(at::arange(n).unsqueeze(1).to(at::kFloat), at::arange(n)),
-                {.batch_size = 2, .shuffle = true, .seed = 3});
-            std::vector<at::Tensor> gathered;
-            std::int64_t plain = 0;
-            for (auto batch : loader) {
-              gathered.push_back(trainer.gather_for_metrics(batch.target));
-              plain += trainer.gather(batch.target).size(0);
-            }
-            auto all = std::get<0>(at::cat(gathered).sort());
-            require(all.equal(at::arange(n)), "each of the 11 samples exactly once");
-            require(plain >= n, "gather keeps the padding");
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int, int) {
+      accel::Trainer<accel::DDP> trainer;
+      const std::int64_t n = 11;
+      auto loader = trainer.prepare(
+          accel::data::TensorDataset(at::arange(n).unsqueeze(1).to(at::kFloat), at::arange(n)),
+          {.batch_size = 2, .shuffle = true, .seed = 3});
+      std::vector<at::Tensor> gathered;
+      std::int64_t plain = 0;
+      for (auto batch : loader) {
+        gathered.push_back(trainer.gather_for_metrics(batch.target));
+        plain += trainer.gather(batch.target).size(0);
+      }
+      auto all = std::get<0>(at::cat(gathered).sort());
+      require(all.equal(at::arange(n)), "each of the 11 samples exactly once");
+      require(plain >= n, "gather keeps the padding");
+    });
   }
 
   TEST_CASE("gather, reduce and wait_for_everyone across ranks") {
@@ -240,20 +212,14 @@ TEST_SUITE("ddp") {
                             std::this_thread::sleep_for(300ms);  // rank 0 is inside the all-reduce by now
                             ::raise(SIGKILL);
                           }
-                          const auto t0 = std::chrono::steady_clock::now();
-                          try {
+                          report_collective_failure(result, [&] {
                             auto batch = global_batch(0, 4);
                             trainer.step([&] { return loss_of(net, batch.x, batch.y); });
-                            std::ofstream(result) << "no error";
-                          } catch (const accel::comm::CollectiveError& e) {
-                            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-                            std::ofstream(result) << "seconds=" << s << " " << e.what();
-                          }
+                          });
                         },
                         options),
                     accel::SpawnError);
-    const std::string text = read_file(result);
-    ::unlink(result.c_str());
+    const std::string text = take_file(result);
     INFO(text);
     CHECK(text.find("rank 0") != std::string::npos);
     CHECK(text.find("all-reduce of DDP gradient bucket") != std::string::npos);
@@ -261,32 +227,17 @@ TEST_SUITE("ddp") {
   }
 
   TEST_CASE("a rank that never joins a collective: the other fails after the configured timeout") {
-    const std::string result = temp_path("hang");
-    auto options = bounded(60s);
-    options.stop_on_failure = false;
-    accel::spawn(
-        2,
-        [&](int rank) {
-          accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.timeout = 2s});
-          if (rank == 1) {
-            std::this_thread::sleep_for(8s);  // never reaches the barrier in time
-            return;
-          }
-          const auto t0 = std::chrono::steady_clock::now();
-          try {
-            trainer.wait_for_everyone();
-            std::ofstream(result) << "no error";
-          } catch (const accel::comm::CollectiveError& e) {
-            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            std::ofstream(result) << "seconds=" << s << " " << e.what();
-          }
-        },
-        options);
-    const std::string text = read_file(result);
-    ::unlink(result.c_str());
+    const std::string text = spawn_two_and_read_report("hang", [](int rank, const std::string& result) {
+      accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.timeout = 2s});
+      if (rank == 1) {
+        std::this_thread::sleep_for(8s);  // never reaches the barrier in time
+        return;
+      }
+      report_collective_failure(result, [&] { trainer.wait_for_everyone(); });
+    });
     INFO(text);
-    REQUIRE(text.rfind("seconds=", 0) == 0);
-    const double seconds = std::stod(text.substr(8));
+    REQUIRE(reports_failure(text));
+    const double seconds = failure_seconds(text);
     CHECK(seconds >= 1.5);
     CHECK(seconds < 6.0);
     CHECK(text.find("rank 0: barrier") != std::string::npos);

@@ -13,12 +13,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-accel::SpawnOptions bounded() {
-  accel::SpawnOptions options;
-  options.timeout = 90s;
-  return options;
-}
-
 double learning_rate(torch::optim::Optimizer& optimizer) {
   return optimizer.param_groups().front().options().get_lr();
 }

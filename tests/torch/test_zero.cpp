@@ -9,12 +9,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-accel::SpawnOptions bounded() {
-  accel::SpawnOptions options;
-  options.timeout = 120s;
-  return options;
-}
-
 // 7-13-13-5: 356 parameters, divisible neither by 2 nor by 3 (per bucket either).
 torch::nn::Sequential odd_mlp() { return tiny_mlp(0, 7, 13, 5); }
 
@@ -62,26 +56,20 @@ TEST_SUITE("zero") {
   TEST_CASE("equivalence: ZeRO-1 and ZeRO-2 with Adam on 2 and 3 ranks equal DDP and one process on the global "
             "batch (a model whose size divides by neither)") {
     // Tolerance 1e-5 (fp32), as for DDP.
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [world](int rank) {
-            const int steps = 4;
-            const std::int64_t b = 3;
-            auto single = reference(steps, b * world);
-            auto ddp = train(accel::DDP{}, rank, world, steps, b);
-            for (double cap : {0.0002, 25.0}) {  // several buckets, and one
-              auto z1 = train(accel::ZeRO<1>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, rank, world, steps, b);
-              auto z2 = train(accel::ZeRO<2>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, rank, world, steps, b);
-              for (auto* net : {&z1, &z2}) {
-                require(max_param_diff(**net, *single) < 1e-5, "ZeRO vs one process: " + std::to_string(max_param_diff(**net, *single)));
-                require(max_param_diff(**net, *ddp) < 1e-5, "ZeRO vs DDP");
-              }
-            }
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int world, int rank) {
+      const int steps = 4;
+      const std::int64_t b = 3;
+      auto single = reference(steps, b * world);
+      auto ddp = train(accel::DDP{}, rank, world, steps, b);
+      for (double cap : {0.0002, 25.0}) {  // several buckets, and one
+        auto z1 = train(accel::ZeRO<1>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, rank, world, steps, b);
+        auto z2 = train(accel::ZeRO<2>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, rank, world, steps, b);
+        for (auto* net : {&z1, &z2}) {
+          require(max_param_diff(**net, *single) < 1e-5, "ZeRO vs one process: " + std::to_string(max_param_diff(**net, *single)));
+          require(max_param_diff(**net, *ddp) < 1e-5, "ZeRO vs DDP");
+        }
+      }
+    }, bounded(120s));
   }
 
   TEST_CASE("ZeRO-2 with gradient accumulation and global-norm clipping equals one process") {
@@ -95,7 +83,7 @@ TEST_SUITE("zero") {
           auto clipped = train(accel::ZeRO<2>{.bucket_cap_mb = 0.0002}, rank, 3, steps, b, 1, 0.05);
           require(max_param_diff(*clipped, *reference(steps, b * 3, 0.05)) < 1e-5, "clipping by the global norm");
         },
-        bounded());
+        bounded(120s));
   }
 
   TEST_CASE("memory: per-rank bytes follow the ZeRO paper's formulas (Adam, fp32)") {
@@ -103,46 +91,40 @@ TEST_SUITE("zero") {
     //   DDP    params 4P, grads 4P,   Adam state 8P
     //   ZeRO-1 params 4P, grads 4P,   Adam state 8P/N
     //   ZeRO-2 params 4P, grads 4P/N, Adam state 8P/N
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [world](int) {
-            auto measure = [&](auto strategy, std::int64_t& padded) {
-              accel::Trainer<decltype(strategy)> trainer(strategy);
-              auto net = odd_mlp();
-              torch::optim::Adam opt(net->parameters());
-              trainer.prepare(net, opt);
-              auto batch = odd_batch(0, 4);
-              trainer.step([&] { return loss_of(net, batch.x, batch.y); });
-              padded = 0;
-              if constexpr (!std::is_same_v<decltype(strategy), accel::DDP>) {
-                for (auto n : trainer.strategy_engine().bucket_numels()) padded += (n + world - 1) / world * world;
-              } else {
-                for (auto& p : net->parameters()) padded += p.numel();
-              }
-              return trainer.model_state_bytes();
-            };
-            std::int64_t P = 0;
-            auto ddp = measure(accel::DDP{}, P);
-            require(P == 356, "DDP: P is the parameter count");
-            require(ddp.parameters == 4 * P && ddp.gradients == 4 * P && ddp.optimizer_state == 8 * P,
-                    "DDP bytes " + std::to_string(ddp.parameters) + " " + std::to_string(ddp.gradients) + " " +
-                        std::to_string(ddp.optimizer_state));
-            for (double cap : {0.0002, 25.0}) {
-              auto z1 = measure(accel::ZeRO<1>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, P);
-              require(P % world == 0 && P >= 356 && P < 356 + 4 * world, "padding is less than N per bucket");
-              require(z1.parameters == 4 * P, "ZeRO-1 params " + std::to_string(z1.parameters));
-              require(z1.gradients == 4 * P, "ZeRO-1 grads " + std::to_string(z1.gradients));
-              require(z1.optimizer_state == 8 * P / world, "ZeRO-1 Adam state " + std::to_string(z1.optimizer_state));
-              auto z2 = measure(accel::ZeRO<2>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, P);
-              require(z2.parameters == 4 * P, "ZeRO-2 params");
-              require(z2.gradients == 4 * P / world, "ZeRO-2 grads " + std::to_string(z2.gradients));
-              require(z2.optimizer_state == 8 * P / world, "ZeRO-2 Adam state");
-            }
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int world, int) {
+      auto measure = [&](auto strategy, std::int64_t& padded) {
+        accel::Trainer<decltype(strategy)> trainer(strategy);
+        auto net = odd_mlp();
+        torch::optim::Adam opt(net->parameters());
+        trainer.prepare(net, opt);
+        auto batch = odd_batch(0, 4);
+        trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+        padded = 0;
+        if constexpr (!std::is_same_v<decltype(strategy), accel::DDP>) {
+          for (auto n : trainer.strategy_engine().bucket_numels()) padded += (n + world - 1) / world * world;
+        } else {
+          for (auto& p : net->parameters()) padded += p.numel();
+        }
+        return trainer.model_state_bytes();
+      };
+      std::int64_t P = 0;
+      auto ddp = measure(accel::DDP{}, P);
+      require(P == 356, "DDP: P is the parameter count");
+      require(ddp.parameters == 4 * P && ddp.gradients == 4 * P && ddp.optimizer_state == 8 * P,
+              "DDP bytes " + std::to_string(ddp.parameters) + " " + std::to_string(ddp.gradients) + " " +
+                  std::to_string(ddp.optimizer_state));
+      for (double cap : {0.0002, 25.0}) {
+        auto z1 = measure(accel::ZeRO<1>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, P);
+        require(P % world == 0 && P >= 356 && P < 356 + 4 * world, "padding is less than N per bucket");
+        require(z1.parameters == 4 * P, "ZeRO-1 params " + std::to_string(z1.parameters));
+        require(z1.gradients == 4 * P, "ZeRO-1 grads " + std::to_string(z1.gradients));
+        require(z1.optimizer_state == 8 * P / world, "ZeRO-1 Adam state " + std::to_string(z1.optimizer_state));
+        auto z2 = measure(accel::ZeRO<2>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap}, P);
+        require(z2.parameters == 4 * P, "ZeRO-2 params");
+        require(z2.gradients == 4 * P / world, "ZeRO-2 grads " + std::to_string(z2.gradients));
+        require(z2.optimizer_state == 8 * P / world, "ZeRO-2 Adam state");
+      }
+    }, bounded(120s));
   }
 
   TEST_CASE("ZeRO-2 overlap: the first reduce-scatter starts before backward has finished") {
@@ -166,7 +148,7 @@ TEST_SUITE("zero") {
           require(first_launch < last_ready, "a bucket was reduce-scattered while backward still ran");
           trainer.optimizer_step();
         },
-        bounded());
+        bounded(120s));
   }
 
   TEST_CASE("ZeRO refuses an optimizer that has already stepped") {
@@ -187,33 +169,27 @@ TEST_SUITE("zero") {
           }
           require(false, "prepare must refuse");
         },
-        bounded());
+        bounded(120s));
   }
 
   TEST_CASE("equivalence: ZeRO-3 with each auto-wrap policy, on 2 and 3 ranks, equals one process") {
-    for (int world : {2, 3}) {
-      CAPTURE(world);
-      accel::spawn(
-          world,
-          [world](int rank) {
-            const int steps = 4;
-            const std::int64_t b = 3;
-            auto single = reference(steps, b * world);
-            using accel::AutoWrapPolicy;
-            for (auto z : {accel::ZeRO<3>{}, accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60},
-                           accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP,
-                                          .transformer_layer_cls_to_wrap = {"LinearImpl"}}}) {
-              auto net = train(z, rank, world, steps, b);
-              const double diff = max_param_diff(*net, *single);
-              require(diff < 1e-5, "ZeRO-3 vs one process: " + std::to_string(diff));
-            }
-            auto accumulated = train(accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60},
-                                     rank, world, steps, b, 2, 0.05);
-            require(max_param_diff(*accumulated, *reference(steps, b * world * 2, 0.05)) < 1e-5,
-                    "ZeRO-3 with accumulation and clipping");
-          },
-          bounded());
-    }
+    spawn_each({2, 3}, [](int world, int rank) {
+      const int steps = 4;
+      const std::int64_t b = 3;
+      auto single = reference(steps, b * world);
+      using accel::AutoWrapPolicy;
+      for (auto z : {accel::ZeRO<3>{}, accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60},
+                     accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP,
+                                    .transformer_layer_cls_to_wrap = {"LinearImpl"}}}) {
+        auto net = train(z, rank, world, steps, b);
+        const double diff = max_param_diff(*net, *single);
+        require(diff < 1e-5, "ZeRO-3 vs one process: " + std::to_string(diff));
+      }
+      auto accumulated = train(accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60},
+                               rank, world, steps, b, 2, 0.05);
+      require(max_param_diff(*accumulated, *reference(steps, b * world * 2, 0.05)) < 1e-5,
+              "ZeRO-3 with accumulation and clipping");
+    }, bounded(120s));
   }
 
   TEST_CASE("ZeRO-3 frees gathered parameters: outside a unit's forward and backward it holds only its shard") {
@@ -256,6 +232,6 @@ TEST_SUITE("zero") {
           require(bytes.gradients == 4 * P / 2, "ZeRO-3 grads " + std::to_string(bytes.gradients));
           require(bytes.optimizer_state == 8 * P / 2, "ZeRO-3 Adam state " + std::to_string(bytes.optimizer_state));
         },
-        bounded());
+        bounded(120s));
   }
 }

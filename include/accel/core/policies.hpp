@@ -71,7 +71,7 @@ struct ZeRO {
   bool find_unused_parameters = false;
   AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::NO_WRAP;  ///< stage 3
   std::int64_t min_num_params = 100'000'000;                   ///< stage 3, SIZE_BASED_WRAP
-  std::vector<std::string> transformer_layer_cls_to_wrap;      ///< stage 3, e.g. {"BlockImpl"}
+  std::vector<std::string> transformer_layer_cls_to_wrap{};    ///< stage 3, e.g. {"BlockImpl"}
 
   static constexpr int stage = Stage;
   template <class Precision, class Device>

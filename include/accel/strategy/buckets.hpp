@@ -16,6 +16,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -237,6 +239,41 @@ class BucketedEngineBase {
       p.set_data(view.view(p.sizes()));
     }
     return flat;
+  }
+
+  /// Starts the reduce-scatter of bucket `b`'s (already averaged) gradients
+  /// into `shard`: NCCL natively; Gloo, which has none, by an all-to-all of
+  /// equal chunks into `received` ((n-1)/n of the bytes) summed by
+  /// finish_reduce_scatter. One rank: a copy.
+  comm::Pending reduce_scatter_bucket(std::size_t b, at::Tensor& shard, at::Tensor& received, std::string what) {
+    auto& s = *state_;
+    auto& grad = s.buckets[b].grad;
+    if (!s.comm->distributed()) {
+      shard.copy_(grad);
+      return {};
+    }
+    if (s.comm->backend_kind() == comm::BackendKind::nccl)
+      return s.comm->reduce_scatter_base_async(shard, grad, std::move(what));
+    received = at::empty_like(grad);
+    return s.comm->all_to_all_async(received, grad, std::move(what));
+  }
+
+  void finish_reduce_scatter(at::Tensor& shard, at::Tensor& received) {
+    if (!received.defined()) return;
+    // (world, shard): chunk j is rank j's contribution to this rank's shard
+    at::sum_out(shard, received.view({state_->comm->size(), -1}), {0});
+    received = at::Tensor();
+  }
+
+  /// Drops the full-size gradient buffers (and the parameters' views of
+  /// them): between steps a sharding strategy keeps only the shards.
+  void release_full_gradients() {
+    auto& s = *state_;
+    for (auto& bucket : s.buckets) bucket.grad = at::Tensor();
+    for (std::size_t i = 0; i < s.params.size(); ++i) {
+      s.params[i].mutable_grad() = at::Tensor();
+      s.grad_views[i] = at::Tensor();
+    }
   }
 
   /// The optimizer parameter group holding `p`, or -1 (reduced, never stepped).

@@ -98,13 +98,7 @@ class ZeROEngine : public BucketedEngineBase {
     s.check_all_ready();
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
       work_[b].wait();
-      if constexpr (Stage == 2) {
-        if (received_[b].defined()) {
-          // (world, shard): chunk j is rank j's contribution to this rank's shard
-          at::sum_out(grad_shards_[b], received_[b].view({s.comm->size(), -1}), {0});
-          received_[b] = at::Tensor();
-        }
-      }
+      if constexpr (Stage == 2) finish_reduce_scatter(grad_shards_[b], received_[b]);
     }
     s.reset();
     if constexpr (Stage == 2) release_full_gradients();
@@ -174,28 +168,8 @@ class ZeROEngine : public BucketedEngineBase {
     if (s.comm->distributed()) grad.div_(s.comm->size());  // pre-divide: Gloo has no AVG
     const std::string what = std::string(Stage == 1 ? "all-reduce" : "reduce-scatter") + " of ZeRO gradient bucket " +
                              std::to_string(b) + " (" + std::to_string(grad.numel() * grad.element_size()) + " bytes)";
-    if constexpr (Stage == 1) {
-      work_[b] = s.comm->all_reduce_async(grad, what);
-    } else {
-      if (!s.comm->distributed()) {
-        grad_shards_[b].copy_(grad);
-      } else if (s.comm->backend_kind() == comm::BackendKind::nccl) {
-        work_[b] = s.comm->reduce_scatter_base_async(grad_shards_[b], grad, what);
-      } else {
-        received_[b] = at::empty_like(grad);
-        work_[b] = s.comm->all_to_all_async(received_[b], grad, what);
-      }
-    }
-  }
-
-  // Stage 2 keeps only the gradient shards between steps (the ZeRO-2 memory model).
-  void release_full_gradients() {
-    auto& s = *state_;
-    for (auto& bucket : s.buckets) bucket.grad = at::Tensor();
-    for (std::size_t i = 0; i < s.params.size(); ++i) {
-      s.params[i].mutable_grad() = at::Tensor();
-      s.grad_views[i] = at::Tensor();
-    }
+    if constexpr (Stage == 1) work_[b] = s.comm->all_reduce_async(grad, what);
+    else work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b], what);
   }
 
   std::vector<at::Tensor> param_flat_;   // per bucket: (padded,) full parameters

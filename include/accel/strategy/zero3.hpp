@@ -342,17 +342,10 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     s.check_all_ready();
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
       work_[b].wait();
-      if (received_[b].defined()) {
-        at::sum_out(grad_shards_[b], received_[b].view({s.comm->size(), -1}), {0});
-        received_[b] = at::Tensor();
-      }
+      finish_reduce_scatter(grad_shards_[b], received_[b]);
     }
     s.reset();
-    for (auto& bucket : s.buckets) bucket.grad = at::Tensor();
-    for (std::size_t i = 0; i < s.params.size(); ++i) {
-      s.params[i].mutable_grad() = at::Tensor();
-      s.grad_views[i] = at::Tensor();
-    }
+    release_full_gradients();
     z3_->backward = false;
     z3_->release_all();
   }
@@ -426,13 +419,8 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     auto& s = *state_;
     auto& grad = s.buckets[b].grad;
     if (s.comm->distributed()) grad.div_(s.comm->size());
-    const std::string what = "reduce-scatter of ZeRO-3 gradient bucket " + std::to_string(b);
-    if (!s.comm->distributed()) {
-      grad_shards_[b].copy_(grad);
-    } else {
-      received_[b] = at::empty_like(grad);
-      work_[b] = s.comm->all_to_all_async(received_[b], grad, what);
-    }
+    work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b],
+                                     "reduce-scatter of ZeRO-3 gradient bucket " + std::to_string(b));
     // The unit's gradients are complete: its backward is over, free its parameters.
     auto& unit = z3_->units[z3_->unit_of_bucket[b]];
     if (++unit.launched == unit.buckets.size()) {
