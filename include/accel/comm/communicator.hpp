@@ -13,6 +13,7 @@
 #define ACCEL_HAS_NCCL 1
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -90,6 +91,30 @@ class Communicator {
     comm.kind_ = kind;
     if (info.world_size > 1) comm.group_ = shared_group(info, kind, timeout);
     return comm;
+  }
+
+  /// A process group of `ranks` (indices in this group, ascending; this rank
+  /// among them), connected over the same store under `name`, which must be
+  /// the same on every member and unique per group. Every member calls it;
+  /// non-members do not. The sub-group inherits the timeout.
+  Communicator subgroup(const std::string& name, const std::vector<int>& ranks) const {
+    auto it = std::find(ranks.begin(), ranks.end(), rank_);
+    if (it == ranks.end())
+      throw std::logic_error("accel: rank " + std::to_string(rank_) + " is not a member of group '" + name + "'");
+    Communicator sub;
+    sub.rank_ = static_cast<int>(it - ranks.begin());
+    sub.size_ = static_cast<int>(ranks.size());
+    sub.timeout_ = timeout_;
+    sub.kind_ = kind_;
+    if (sub.size_ > 1) {
+      auto group = std::make_shared<Group>(*group_);
+      group->world.rank = sub.rank_;
+      group->world.world_size = sub.size_;
+      group->backend = make_backend(kind_, c10::make_intrusive<c10d::PrefixStore>("accel/group/" + name, group_->store),
+                                    sub.rank_, sub.size_, group_->world.master_addr, timeout_);
+      sub.group_ = std::move(group);
+    }
+    return sub;
   }
 
   int rank() const { return rank_; }
