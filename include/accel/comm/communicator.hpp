@@ -141,6 +141,17 @@ class Communicator {
 
   void all_reduce(at::Tensor& tensor, const std::string& what) { all_reduce_async(tensor, what).wait(); }
 
+  /// Element-wise maximum across ranks, in place.
+  void all_reduce_max(at::Tensor& tensor, const std::string& what) {
+    if (!distributed()) return;
+    ++issued_;
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    options.timeout = timeout_;
+    Pending(backend().allreduce(tensors, options), what, rank_).wait();
+  }
+
   void broadcast(at::Tensor& tensor, int root, const std::string& what) {
     if (!distributed()) return;
     ++issued_;
