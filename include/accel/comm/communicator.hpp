@@ -192,10 +192,6 @@ class Communicator {
     return {backend().recv(tensors, src, tag), std::move(what), rank_, timeout_};
   }
 
-  /// Native flat reduce-scatter (sum): `input` holds size() equal shards of
-  /// `output`'s length, rank r receives the sum of shard r. NCCL has it; Gloo
-  /// in LibTorch 1.13 does not (see comm/collectives.hpp). 1.13 and 2.x both
-  /// call it _reduce_scatter_base (Python's reduce_scatter_tensor).
   /// Equal-split all-to-all: chunk j of `input` goes to rank j; chunk j of
   /// `output` comes from rank j (Gloo's building block for reduce-scatter).
   Pending all_to_all_async(at::Tensor& output, at::Tensor& input, std::string what) {
@@ -216,6 +212,10 @@ class Communicator {
     return {backend().allgather(outputs, inputs, options), std::move(what), rank_};
   }
 
+  /// Native flat reduce-scatter (sum): `input` holds size() equal shards of
+  /// `output`'s length, rank r receives the sum of shard r. NCCL has it; Gloo
+  /// in LibTorch 1.13 does not (see comm/collectives.hpp). 1.13 and 2.x both
+  /// call it _reduce_scatter_base (Python's reduce_scatter_tensor).
   Pending reduce_scatter_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
     ++issued_;
     c10d::ReduceScatterOptions options;  // reduceOp defaults to SUM (a struct in 2.x, an enum in 1.13)

@@ -1,0 +1,75 @@
+// Pipeline parallelism on 2 stages (real Gloo send/recv): GPipe and 1F1B
+// equal one process on the global batch; 1F1B holds at most `stages`
+// micro-batches of activations; a model too short for its stages is refused.
+#include <torch/optim/sgd.h>
+
+#include "accel/comm/mesh.hpp"
+#include "accel/pipeline/pipeline.hpp"
+#include "doctest_torch.hpp"
+
+using namespace accel::testing;
+using accel::comm::MeshDim;
+
+TEST_SUITE("pipeline") {
+  TEST_CASE("2 stages, 4 micro-batches, GPipe and 1F1B: parameters equal single-process training on the same "
+            "global batch (1e-5); 1F1B never holds more than 2 micro-batches") {
+    for (auto schedule : {accel::pipeline::Schedule::gpipe, accel::pipeline::Schedule::one_f_one_b}) {
+      accel::spawn(
+          2,
+          [schedule](int rank) {
+            accel::Trainer<accel::DDP> world;
+            accel::comm::DeviceMesh mesh(world.communicator(), {.pipeline = 2});
+            auto model = tiny_mlp(0, 8, 16, 4, 3);  // 7 layers: stage 0 gets 3, stage 1 gets 4
+            auto reference = tiny_mlp(0, 8, 16, 4, 3);
+            accel::pipeline::Pipeline pipe(model, mesh.group(MeshDim::pipeline), {.micro_batches = 4, .schedule = schedule});
+            torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+            torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+            for (int step = 0; step < 3; ++step) {
+              auto batch = global_batch(step, 8);
+              opt.zero_grad();
+              const double loss = pipe.train_step(batch.x, batch.y, [](const at::Tensor& out, const at::Tensor& y) {
+                return torch::nn::functional::cross_entropy(out, y);
+              });
+              opt.step();
+              ref_opt.zero_grad();
+              auto ref_loss = loss_of(reference, batch.x, batch.y);
+              ref_loss.backward();
+              ref_opt.step();
+              require(std::abs(loss - ref_loss.item<double>()) < 1e-5, "the loss is reported on every stage");
+            }
+            // This stage's layers against the same layers of the reference.
+            auto mine = pipe.parameters();
+            auto all = reference->parameters();
+            const std::size_t offset = rank == 0 ? 0 : all.size() - mine.size();
+            for (std::size_t i = 0; i < mine.size(); ++i) {
+              const double diff = (mine[i] - all[offset + i]).abs().max().item<double>();
+              require(diff < 1e-5, "stage parameter " + std::to_string(i) + " differs by " + std::to_string(diff));
+            }
+            if (schedule == accel::pipeline::Schedule::one_f_one_b)
+              require(pipe.peak_in_flight() <= 2, "1F1B held " + std::to_string(pipe.peak_in_flight()) + " micro-batches");
+            else
+              require(pipe.peak_in_flight() == 4, "GPipe holds all 4 micro-batches");
+          },
+          bounded());
+    }
+  }
+
+  TEST_CASE("a model whose layer count cannot be split into the requested stages is refused") {
+    accel::spawn(
+        3,
+        [](int) {
+          accel::Trainer<accel::DDP> world;
+          accel::comm::DeviceMesh mesh(world.communicator(), {.pipeline = 3});
+          torch::nn::Sequential two(torch::nn::Linear(2, 2), torch::nn::Linear(2, 2));
+          try {
+            accel::pipeline::Pipeline pipe(two, mesh.group(MeshDim::pipeline));
+          } catch (const std::invalid_argument& e) {
+            require(std::string(e.what()).find("a model of 2 layers cannot be split into 3 stages") != std::string::npos,
+                    e.what());
+            return;
+          }
+          require(false, "must refuse");
+        },
+        bounded());
+  }
+}
