@@ -17,6 +17,7 @@
 #include <ATen/ops/full.h>
 #include <torch/serialize.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
@@ -51,6 +52,7 @@
 #include "accel/strategy/single_process.hpp"
 #include "accel/strategy/zero.hpp"
 #include "accel/strategy/zero3.hpp"
+#include "accel/strategy/parallel.hpp"
 
 namespace accel {
 
@@ -180,7 +182,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         options_(options),
         world_(comm::world_from_environment()),
         device_(device::traits<Device>::resolve(world_)),
-        comm_(connect(world_, options_)),
+        comm_(connect(strategy_, world_, options_)),
         engine_(strategy_, comm_),
         scaling_(precision),
         accumulation_steps_(detail::accumulation_steps(options.gradient_accumulation_steps)) {
@@ -212,8 +214,13 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   data::DataLoader<Dataset> prepare(Dataset dataset, LoaderOptions options) {
     auto position = std::make_shared<data::LoaderPosition>();
     loader_positions_.push_back(position);
-    return data::DataLoader<Dataset>(std::move(dataset), options, num_processes(), process_index(), device_,
-                                     cursor_, std::move(position));
+    // Tensor and pipeline peers read the same samples: shard over the data group.
+    int shards = num_processes(), shard = process_index();
+    if constexpr (requires { engine_.data_group(); }) {
+      shards = engine_.data_group().size();
+      shard = engine_.data_group().rank();
+    }
+    return data::DataLoader<Dataset>(std::move(dataset), options, shards, shard, device_, cursor_, std::move(position));
   }
 
   // ------------------------------------------------------------ the step
@@ -236,6 +243,38 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     optimizer_step();
     zero_grad();
     return loss;
+  }
+
+  /// The batch form of step, for a prepared torch::nn::Sequential: forward
+  /// `inputs`, `loss_fn(outputs, targets)`, backward, step. Under pipeline
+  /// parallelism it runs the pipeline's schedule over this rank's stage and
+  /// returns the loss every stage sees; elsewhere the same as step(lambda).
+  template <class LossFn>
+  double step(const at::Tensor& inputs, const at::Tensor& targets, LossFn&& loss_fn) {
+    if constexpr (requires { engine_.pipelined(); }) {
+      if (engine_.pipelined()) {
+        [[maybe_unused]] auto micro_step = accumulate();
+        double loss = 0;
+        {
+          [[maybe_unused]] auto scope = autocast();
+          loss = engine_.pipeline_step(inputs, targets, loss_fn);
+        }
+        synchronized_ = false;
+        optimizer_step();
+        zero_grad();
+        return loss;
+      }
+    }
+    if (!sequential_)
+      throw std::logic_error("accel: step(inputs, targets, loss_fn) needs a prepared torch::nn::Sequential");
+    return step([&] { return loss_fn(sequential_->forward(inputs), targets); }).template item<double>();
+  }
+
+  /// The group a model's tensor-parallel layers (accel::nn) communicate
+  /// over: the mesh's tensor dimension under Parallel<>, one rank otherwise.
+  comm::Communicator& tensor_group() {
+    if constexpr (requires { engine_.tensor_group(); }) return engine_.tensor_group();
+    else return solo_;
   }
 
   /// RAII scope of one micro-step, Accelerate's `with accelerator.accumulate(model)`:
@@ -550,7 +589,10 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   const TrainerOptions& options() const { return options_; }
 
  private:
-  static comm::Communicator connect(const comm::WorldInfo& world, const TrainerOptions& options) {
+  static comm::Communicator connect(const Strategy& strategy, const comm::WorldInfo& world,
+                                    const TrainerOptions& options) {
+    if constexpr (requires { engine_type::check_world(strategy, world.world_size); })
+      engine_type::check_world(strategy, world.world_size);
     if constexpr (!Strategy::distributed) {
       if (world.world_size > 1)
         throw ConfigurationError("accel: WORLD_SIZE=" + std::to_string(world.world_size) +
@@ -569,6 +611,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
       object->to(device_);
       engine_.prepare_model(*object.ptr());
       models_.push_back(object.ptr());
+      if constexpr (std::is_same_v<T, torch::nn::Sequential>) sequential_ = object;
     }
   }
 
@@ -882,6 +925,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
   torch::optim::Optimizer* optimizer_ = nullptr;
   torch::optim::LRScheduler* scheduler_ = nullptr;
+  torch::nn::Sequential sequential_{nullptr};
+  comm::Communicator solo_;  // the one-rank tensor group of strategies without tensor parallelism
   struct CustomObject {
     std::function<void(torch::serialize::OutputArchive&)> save;
     std::function<void(torch::serialize::InputArchive&)> load;

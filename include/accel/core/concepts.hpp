@@ -23,6 +23,8 @@ template <>
 inline constexpr bool enable_strategy_policy<DDP> = true;
 template <int Stage>
 inline constexpr bool enable_strategy_policy<ZeRO<Stage>> = true;
+template <class Data>
+inline constexpr bool enable_strategy_policy<Parallel<Data>> = true;
 
 template <class T>
 inline constexpr bool enable_precision_policy = false;

@@ -15,6 +15,8 @@ template <class Precision, class Device>
 class DDPEngine;
 template <int Stage, class Precision, class Device>
 class ZeROEngine;
+template <class Data, class Precision, class Device>
+class ParallelEngine;
 }  // namespace strategy
 
 }  // namespace accel

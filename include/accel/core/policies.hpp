@@ -103,6 +103,29 @@ struct fsdp_policy<ShardingStrategy::NO_SHARD> { using type = DDP; };
 template <ShardingStrategy S>
 using FSDP = typename detail::fsdp_policy<S>::type;
 
+/// Pipeline schedules (NOTE [Pipeline schedules] in pipeline/pipeline.hpp).
+enum class PipelineSchedule { gpipe, one_f_one_b };
+
+/// Data x tensor x pipeline parallelism on a device mesh (Megatron-LM's
+/// composition): `data` is the strategy over the data dimension (DDP or
+/// ZeRO<1|2>), whose size is what is left of the world:
+///   accel::Trainer<accel::Parallel<>> t{accel::Parallel<>{.tensor = 2}};                 // data x tensor
+///   accel::Trainer<accel::Parallel<accel::ZeRO<1>>> t{{.pipeline = 2, .micro_batches = 4}};  // data x pipeline
+/// Build the model's tensor-parallel layers on `trainer.tensor_group()`; a
+/// pipeline needs a torch::nn::Sequential and `trainer.step(inputs, targets, loss_fn)`.
+template <class Data = DDP>
+struct Parallel {
+  Data data{};
+  int tensor = 1;
+  int pipeline = 1;
+  int micro_batches = 1;
+  PipelineSchedule schedule = PipelineSchedule::one_f_one_b;
+
+  template <class Precision, class Device>
+  using engine = strategy::ParallelEngine<Data, Precision, Device>;
+  static constexpr bool distributed = true;
+};
+
 // ---------------------------------------------------------------- precision
 
 /// Full precision: no autocast, no loss scaling.

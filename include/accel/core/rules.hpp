@@ -10,6 +10,19 @@
 
 namespace accel::detail {
 
+// Parallel<Data>: the data dimension takes DDP or ZeRO<1|2>.
+template <class S>
+struct check_data_strategy {
+  static constexpr bool value = true;
+};
+template <class Data>
+struct check_data_strategy<Parallel<Data>> {
+  static_assert(std::is_same_v<Data, DDP> || std::is_same_v<Data, ZeRO<1>> || std::is_same_v<Data, ZeRO<2>>,
+                "accel: Parallel<Data> takes accel::DDP, accel::ZeRO<1> or accel::ZeRO<2> over the data dimension "
+                "(ZeRO<3> does not compose with tensor or pipeline parallelism yet)");
+  static constexpr bool value = true;
+};
+
 template <class S, class P, class D>
 struct check_policies {
   static_assert(enable_strategy_policy<S>,
@@ -21,6 +34,7 @@ struct check_policies {
                 "(accel::FP32, accel::BF16, accel::FP16)");
   static_assert(enable_device_policy<D>,
                 "accel: the third Trainer parameter must be a device policy (accel::CPU, accel::CUDA)");
+  static_assert(check_data_strategy<S>::value);
   static_assert(!(std::is_same_v<P, FP16> && std::is_same_v<D, CPU>),
                 "accel: FP16 autocast does not run on CPU (LibTorch's CPU autocast is bf16-only): "
                 "use accel::BF16 on CPU, or accel::FP16 with accel::CUDA");

@@ -29,10 +29,11 @@
 #include <vector>
 
 #include "accel/comm/communicator.hpp"
+#include "accel/core/policies.hpp"
 
 namespace accel::pipeline {
 
-enum class Schedule { gpipe, one_f_one_b };
+using Schedule = PipelineSchedule;
 
 struct PipelineOptions {
   int micro_batches = 4;
@@ -58,6 +59,13 @@ class Pipeline {
   Pipeline(const torch::nn::Sequential& model, comm::Communicator& group, PipelineOptions options = {})
       : group_(&group), options_(options), stage_(split_stage(model, group.size(), group.rank())) {
     if (options.micro_batches < 1) throw std::invalid_argument("accel pipeline: micro_batches must be at least 1");
+  }
+
+  /// This stage's layers as a module of their own (the same layer objects).
+  torch::nn::Sequential stage_module() const {
+    torch::nn::Sequential module;
+    for (const auto& layer : stage_) module->push_back(layer);
+    return module;
   }
 
   /// This stage's parameters: what its optimizer steps.

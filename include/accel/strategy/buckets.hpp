@@ -190,6 +190,14 @@ class BucketedEngineBase {
   /// buckets without communicating (DDP's no_sync).
   void set_gradient_sync(bool sync) { state_->sync = sync; }
 
+  /// After gradients were accumulated without sync (a pipeline's micro-
+  /// batches): mark every parameter ready, which launches every bucket.
+  void launch_all_buckets() {
+    auto& s = *state_;
+    s.sync = true;
+    for (std::size_t i = 0; i < s.params.size(); ++i) s.mark_ready(i);
+  }
+
   // ------------------------------------------------------------ introspection
   std::size_t bucket_count() const { return state_->buckets.size(); }
   /// Parameter names of bucket `b`, in the order they were assigned.

@@ -1,0 +1,159 @@
+// Parallel<Data>: data x tensor, data x pipeline and tensor x pipeline on 4
+// ranks (real Gloo sub-groups), each equal to one process on the global batch.
+#include <torch/optim/sgd.h>
+
+#include "accel/nn/tensor_parallel.hpp"
+#include "doctest_torch.hpp"
+
+using namespace accel::testing;
+using accel::comm::MeshDim;
+using namespace std::chrono_literals;
+
+namespace {
+
+at::Tensor cross_entropy(const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); }
+
+// Full layers with the same initial weights on every rank: the reference.
+std::vector<torch::nn::Linear> full_layers(const std::vector<std::pair<int, int>>& shapes) {
+  at::manual_seed(0);
+  std::vector<torch::nn::Linear> layers;
+  for (auto [in, out] : shapes) layers.emplace_back(in, out);
+  return layers;
+}
+
+// Trains `reference` (a Sequential of full layers with Tanh between pairs) on the global batches.
+void train_reference(torch::nn::Sequential& reference, int steps, std::int64_t global) {
+  torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < steps; ++step) {
+    auto batch = global_batch(step, global);
+    opt.zero_grad();
+    cross_entropy(reference->forward(batch.x), batch.y).backward();
+    opt.step();
+  }
+}
+
+double max_abs(const at::Tensor& t) { return t.abs().max().item<double>(); }
+
+// The unsharded value of a tensor-parallel weight: its slices concatenated.
+at::Tensor unsharded(accel::comm::Communicator& tp, const at::Tensor& slice, std::int64_t dim) {
+  return at::cat(tp.all_gather(slice.detach().contiguous(), "test gather"), dim);
+}
+
+template <class Strategy>
+void data_by_tensor(int) {
+  const int steps = 3;
+  const std::int64_t b = 3;
+  accel::Trainer<Strategy> trainer(Strategy{.tensor = 2});
+  auto& mesh = trainer.strategy_engine().mesh();
+  auto& tp = trainer.tensor_group();
+  auto full = full_layers({{8, 16}, {16, 4}});
+  torch::nn::Sequential model(accel::nn::ColumnParallelLinear(full[0], tp), torch::nn::Tanh(),
+                              accel::nn::RowParallelLinear(full[1], tp));
+  torch::nn::Sequential reference(full[0], torch::nn::Tanh(), full[1]);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  trainer.prepare(model, opt);
+  const int d = mesh.coordinate(MeshDim::data);
+  for (int step = 0; step < steps; ++step) {
+    auto batch = global_batch(step, b * 2);
+    trainer.step(batch.x.narrow(0, d * b, b), batch.y.narrow(0, d * b, b), cross_entropy);
+  }
+  train_reference(reference, steps, b * 2);
+  auto col = model[0]->as<accel::nn::ColumnParallelLinear>();
+  auto row = model[2]->as<accel::nn::RowParallelLinear>();
+  const double diff = std::max({max_abs(unsharded(tp, col->weight, 0) - full[0]->weight),
+                                max_abs(unsharded(tp, row->weight, 1) - full[1]->weight),
+                                max_abs(unsharded(tp, col->bias, 0) - full[0]->bias), max_abs(row->bias - full[1]->bias)});
+  require(diff < 1e-5, "data x tensor vs one process: " + std::to_string(diff));
+}
+
+}  // namespace
+
+TEST_SUITE("parallel") {
+  TEST_CASE("data 2 x tensor 2 (DDP and ZeRO-1 over the data dimension) equals one process") {
+    accel::spawn(4, data_by_tensor<accel::Parallel<accel::DDP>>, bounded(120s));
+    accel::spawn(4, data_by_tensor<accel::Parallel<accel::ZeRO<1>>>, bounded(120s));
+  }
+
+  TEST_CASE("data 2 x pipeline 2 (4 micro-batches per data rank) equals one process") {
+    accel::spawn(
+        4,
+        [](int) {
+          const int steps = 3;
+          const std::int64_t b = 4;
+          accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.pipeline = 2, .micro_batches = 4});
+          auto& mesh = trainer.strategy_engine().mesh();
+          auto model = tiny_mlp(0, 8, 16, 4, 3);  // 7 layers: stages of 3 and 4
+          auto reference = tiny_mlp(0, 8, 16, 4, 3);
+          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          trainer.prepare(model, opt);
+          const int d = mesh.coordinate(MeshDim::data);
+          double loss = 0;
+          for (int step = 0; step < steps; ++step) {
+            auto batch = global_batch(step, b * 2);
+            loss = trainer.step(batch.x.narrow(0, d * b, b), batch.y.narrow(0, d * b, b), cross_entropy);
+          }
+          train_reference(reference, steps, b * 2);
+          auto mine = trainer.strategy_engine().pipeline().parameters();
+          auto all = reference->parameters();
+          const std::size_t offset = mesh.coordinate(MeshDim::pipeline) == 0 ? 0 : all.size() - mine.size();
+          for (std::size_t i = 0; i < mine.size(); ++i) {
+            const double diff = (mine[i] - all[offset + i]).abs().max().item<double>();
+            require(diff < 1e-5, "data x pipeline: stage parameter " + std::to_string(i) + " off by " + std::to_string(diff));
+          }
+          require(std::isfinite(loss) && loss > 0, "every stage reports the loss");
+        },
+        bounded(120s));
+  }
+
+  TEST_CASE("tensor 2 x pipeline 2 equals one process") {
+    accel::spawn(
+        4,
+        [](int) {
+          const int steps = 3;
+          const std::int64_t batch_size = 4;
+          accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.tensor = 2, .pipeline = 2, .micro_batches = 2});
+          auto& mesh = trainer.strategy_engine().mesh();
+          auto& tp = trainer.tensor_group();
+          auto full = full_layers({{8, 16}, {16, 8}, {8, 16}, {16, 4}});
+          // Stage boundaries (after 3 layers) fall where activations are whole.
+          torch::nn::Sequential model(accel::nn::ColumnParallelLinear(full[0], tp), torch::nn::Tanh(),
+                                      accel::nn::RowParallelLinear(full[1], tp),
+                                      accel::nn::ColumnParallelLinear(full[2], tp), torch::nn::Tanh(),
+                                      accel::nn::RowParallelLinear(full[3], tp));
+          torch::nn::Sequential reference(full[0], torch::nn::Tanh(), full[1], full[2], torch::nn::Tanh(), full[3]);
+          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          trainer.prepare(model, opt);
+          for (int step = 0; step < steps; ++step) {
+            auto batch = global_batch(step, batch_size);
+            trainer.step(batch.x, batch.y, cross_entropy);
+          }
+          train_reference(reference, steps, batch_size);
+          const int first = mesh.coordinate(MeshDim::pipeline) == 0 ? 0 : 3;  // this stage's layers
+          auto col = model[first]->as<accel::nn::ColumnParallelLinear>();
+          auto row = model[first + 2]->as<accel::nn::RowParallelLinear>();
+          const auto& f_col = full[first == 0 ? 0 : 2];
+          const auto& f_row = full[first == 0 ? 1 : 3];
+          const double diff = std::max((unsharded(tp, col->weight, 0) - f_col->weight).abs().max().item<double>(),
+                                       (unsharded(tp, row->weight, 1) - f_row->weight).abs().max().item<double>());
+          require(diff < 1e-5, "tensor x pipeline vs one process: " + std::to_string(diff));
+        },
+        bounded(120s));
+  }
+
+  TEST_CASE("a world size the tensor and pipeline sizes do not divide is refused, naming the numbers") {
+    accel::spawn(
+        3,
+        [](int) {
+          try {
+            accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.tensor = 2});
+          } catch (const std::invalid_argument& e) {
+            require(std::string(e.what()).find("world size 3 is not divisible by tensor 2 x pipeline 1") !=
+                        std::string::npos,
+                    e.what());
+            return;
+          }
+          require(false, "must refuse");
+        },
+        bounded());
+  }
+}
