@@ -12,20 +12,12 @@
 // `--strategy` only picks the Trainer's type; the training loop (train<T>)
 // is the same code for all five.
 
-#include <ATen/ops/arange.h>
-#include <ATen/ops/gelu.h>
-#include <ATen/ops/matmul.h>
-#include <ATen/ops/ones.h>
 #include <ATen/ops/randint.h>
-#include <ATen/ops/softmax.h>
-#include <ATen/ops/triu.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
 
 #include <accel/accel.hpp>
-#include <accel/nn/tensor_parallel.hpp>
+
+#include "gpt_model.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -33,82 +25,10 @@
 
 namespace {
 
-struct Config {
-  std::int64_t vocab = 64, context = 16, width = 32, heads = 4, layers = 2;
-};
-
-// 1. The model, in three kinds of blocks, each taking and returning one tensor.
-//    Shapes: (B, S) token ids -> (B, S, H) -> ... -> (B, S, V/T) logits.
-
-// Token embedding (vocabulary split over the tensor group) plus positions.
-struct EmbedImpl : torch::nn::Module {
-  EmbedImpl(const Config& c, accel::comm::Communicator& tp)
-      : tokens(register_module("tokens", accel::nn::VocabParallelEmbedding(c.vocab, c.width, tp))),
-        positions(register_module("positions", torch::nn::Embedding(c.context, c.width))) {}
-  at::Tensor forward(const at::Tensor& ids) {  // (B, S) -> (B, S, H)
-    return tokens(ids) + positions(at::arange(ids.size(1), ids.options()));
-  }
-  accel::nn::VocabParallelEmbedding tokens;
-  torch::nn::Embedding positions;
-};
-TORCH_MODULE(Embed);
-
-// Pre-norm transformer block: causal self-attention with the heads split
-// over the tensor group, then an MLP with its hidden layer split (Megatron).
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(const Config& c, accel::comm::Communicator& tp)
-      : heads_here(c.heads / tp.size()), head_width(c.width / c.heads),
-        norm1(register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        q(register_module("q", accel::nn::ColumnParallelLinear(c.width, c.width, tp))),
-        k(register_module("k", accel::nn::ColumnParallelLinear(c.width, c.width, tp))),
-        v(register_module("v", accel::nn::ColumnParallelLinear(c.width, c.width, tp))),
-        out(register_module("out", accel::nn::RowParallelLinear(c.width, c.width, tp))),
-        norm2(register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        up(register_module("up", accel::nn::ColumnParallelLinear(c.width, 4 * c.width, tp))),
-        down(register_module("down", accel::nn::RowParallelLinear(4 * c.width, c.width, tp))) {}
-
-  at::Tensor forward(const at::Tensor& x) {  // (B, S, H) -> (B, S, H)
-    const auto batch = x.size(0), seq = x.size(1);
-    auto h = norm1(x);
-    auto split = [&](const at::Tensor& t) {  // (B, S, H/T) -> (B, heads/T, S, H/heads)
-      return t.view({batch, seq, heads_here, head_width}).transpose(1, 2);
-    };
-    auto scores = at::matmul(split(q(h)), split(k(h)).transpose(-2, -1)) / std::sqrt(double(head_width));
-    auto causal = at::ones({seq, seq}, x.options().dtype(at::kBool)).triu(1);
-    auto attention = at::softmax(scores.masked_fill(causal, -1e9), -1);
-    auto mixed = at::matmul(attention, split(v(h))).transpose(1, 2).reshape({batch, seq, heads_here * head_width});
-    auto y = x + out(mixed);
-    return y + down(at::gelu(up(norm2(y))));
-  }
-
-  std::int64_t heads_here, head_width;
-  torch::nn::LayerNorm norm1;
-  accel::nn::ColumnParallelLinear q, k, v;
-  accel::nn::RowParallelLinear out;
-  torch::nn::LayerNorm norm2;
-  accel::nn::ColumnParallelLinear up;
-  accel::nn::RowParallelLinear down;
-};
-TORCH_MODULE(Block);
-
-// Final norm and the language-model head, its vocabulary split over the group.
-struct HeadImpl : torch::nn::Module {
-  HeadImpl(const Config& c, accel::comm::Communicator& tp)
-      : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        logits(register_module("logits", accel::nn::ColumnParallelLinear(
-                                            torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)), tp))) {}
-  at::Tensor forward(const at::Tensor& x) { return logits(norm(x)); }  // (B, S, H) -> (B, S, V/T)
-  torch::nn::LayerNorm norm;
-  accel::nn::ColumnParallelLinear logits;
-};
-TORCH_MODULE(Head);
-
-torch::nn::Sequential make_gpt(const Config& c, accel::comm::Communicator& tp) {
-  torch::nn::Sequential gpt(Embed(c, tp));
-  for (int i = 0; i < c.layers; ++i) gpt->push_back(Block(c, tp));
-  gpt->push_back(Head(c, tp));
-  return gpt;
-}
+// 1. The model (gpt_model.hpp): blocks that each take and return one tensor,
+//    (B, S) token ids -> (B, S, H) -> ... -> (B, S, V/T) logits.
+using gpt::Config;
+using gpt::make_gpt;
 
 // 2. Synthetic data: sequences that follow a fixed random successor table
 //    (so there is something to learn), the same on every rank.

@@ -128,11 +128,15 @@ class Communicator {
   /// Collectives this handle has issued (tests count them: gradient
   /// accumulation must issue none on its non-final micro-steps).
   std::uint64_t collectives_issued() const { return issued_; }
+  /// Bytes of the tensors this handle has all-reduced (sum), for
+  /// communication-volume benchmarks.
+  std::uint64_t all_reduce_bytes() const { return all_reduce_bytes_; }
 
   /// Sum across ranks, in place, asynchronously.
   Pending all_reduce_async(at::Tensor& tensor, std::string what) {
     if (!distributed()) return {};
     ++issued_;
+    all_reduce_bytes_ += static_cast<std::uint64_t>(tensor.numel()) * tensor.element_size();
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.timeout = timeout_;
@@ -328,6 +332,7 @@ class Communicator {
   std::uint64_t p2p_bytes_sent_ = 0;
   std::shared_ptr<Group> group_;
   std::uint64_t issued_ = 0;
+  std::uint64_t all_reduce_bytes_ = 0;
 };
 
 }  // namespace accel::comm

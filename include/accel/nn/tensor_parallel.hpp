@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "accel/comm/communicator.hpp"
 
@@ -105,17 +106,30 @@ inline at::Tensor gather_from_tensor_parallel(const at::Tensor& x, comm::Communi
 /// Output features split over the tensor group: weight (out/T, in), bias (out/T).
 class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
-  /// Rows [r*out/T, (r+1)*out/T) of `full`'s weight and bias.
-  ColumnParallelLinearImpl(const torch::nn::Linear& full, comm::Communicator& group, bool gather_output = false)
+  /// Rows [r*out/T, (r+1)*out/T) of `full`'s weight and bias. With `stride`
+  /// k the outputs are k stacked blocks (e.g. a fused Q, K, V projection)
+  /// and each block is split separately, so every rank gets its slice of
+  /// each (Megatron's stride).
+  ColumnParallelLinearImpl(const torch::nn::Linear& full, comm::Communicator& group, bool gather_output = false,
+                           std::int64_t stride = 1)
       : group_(&group), gather_output_(gather_output) {
-    const auto rows = detail::slice_of(full->weight.size(0), group, "output features");
-    weight = register_parameter("weight", full->weight.detach().narrow(0, group.rank() * rows, rows).clone());
-    if (full->bias.defined())
-      bias = register_parameter("bias", full->bias.detach().narrow(0, group.rank() * rows, rows).clone());
+    if (stride < 1 || full->weight.size(0) % stride != 0)
+      throw std::invalid_argument("accel tensor parallel: " + std::to_string(full->weight.size(0)) +
+                                  " output features do not form " + std::to_string(stride) + " equal blocks");
+    const auto block = full->weight.size(0) / stride;
+    const auto rows = detail::slice_of(block, group, "output features");
+    auto take = [&](const at::Tensor& t) {  // (out, ...) -> (stride*rows, ...): this rank's rows of each block
+      std::vector<at::Tensor> parts;
+      for (std::int64_t b = 0; b < stride; ++b) parts.push_back(t.detach().narrow(0, b * block + group.rank() * rows, rows));
+      return at::cat(parts).clone();
+    };
+    weight = register_parameter("weight", take(full->weight));
+    if (full->bias.defined()) bias = register_parameter("bias", take(full->bias));
   }
   /// A fresh `torch::nn::Linear(in, out)` sliced (every rank must be seeded alike).
-  ColumnParallelLinearImpl(std::int64_t in, std::int64_t out, comm::Communicator& group, bool gather_output = false)
-      : ColumnParallelLinearImpl(torch::nn::Linear(in, out), group, gather_output) {}
+  ColumnParallelLinearImpl(std::int64_t in, std::int64_t out, comm::Communicator& group, bool gather_output = false,
+                           std::int64_t stride = 1)
+      : ColumnParallelLinearImpl(torch::nn::Linear(in, out), group, gather_output, stride) {}
 
   /// (..., in) replicated -> (..., out/T) split, or (..., out) with gather_output.
   at::Tensor forward(const at::Tensor& x) {

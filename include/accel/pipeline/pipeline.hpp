@@ -23,6 +23,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -94,6 +95,10 @@ class Pipeline {
     loss_sum_ = 0;
     in_flight_ = 0;
     peak_ = 0;
+    held_bytes_ = 0;
+    peak_bytes_ = 0;
+    wait_seconds_ = 0;
+    const auto started = std::chrono::steady_clock::now();
     if (options_.schedule == Schedule::gpipe) {
       for (int i = 0; i < m; ++i) forward(i, loss_fn);
       for (int i = m; i-- > 0;) backward(i);
@@ -111,6 +116,7 @@ class Pipeline {
     sends_.clear();
     kept_.clear();
     // The loss lives on the last stage; every stage reports it.
+    step_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     auto loss = at::full({1}, last() ? loss_sum_ : 0.0, at::TensorOptions().dtype(at::kDouble));
     group_->broadcast(loss, stages() - 1, "broadcast of the pipeline loss");
     return loss.item<double>();
@@ -119,6 +125,12 @@ class Pipeline {
   /// The most micro-batches whose activations this stage held at once in
   /// the last step (1F1B: at most the number of stages).
   int peak_in_flight() const { return peak_; }
+  /// The most bytes of stage inputs and outputs held for backward at once.
+  std::int64_t peak_activation_bytes() const { return peak_bytes_; }
+  /// Seconds of the last step's schedule spent blocked on a neighbour (the
+  /// bubble), and the schedule's whole length (the loss broadcast excluded).
+  double wait_seconds() const { return wait_seconds_; }
+  double step_seconds() const { return step_seconds_; }
 
  private:
   struct Held {
@@ -139,13 +151,18 @@ class Pipeline {
       send(output.detach(), stage_index() + 1, tag(i, false));
     }
     peak_ = std::max(peak_, ++in_flight_);
+    held_bytes_ += bytes(input) + bytes(output);
+    peak_bytes_ = std::max(peak_bytes_, held_bytes_);
   }
+
+  static std::int64_t bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
   void backward(int i) {
     auto& held = held_[i];
     if (last()) held.loss.backward();
     else held.output.backward(receive(stage_index() + 1, tag(i, true)));
     if (!first()) send(held.input.grad(), stage_index() - 1, tag(i, true));
+    held_bytes_ -= bytes(held.input) + bytes(held.output);
     held = {};
     --in_flight_;
   }
@@ -169,7 +186,9 @@ class Pipeline {
   at::Tensor receive(int from, int tag) {
     auto header = at::empty({8}, at::TensorOptions().dtype(at::kLong));
     const std::string what = "pipeline receive from stage " + std::to_string(from);
+    const auto waiting = std::chrono::steady_clock::now();
     group_->recv_async(header, from, 1000000 + tag, what).wait();
+    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
     std::vector<std::int64_t> sizes;
     for (int d = 0; d < header[0].item<std::int64_t>(); ++d) sizes.push_back(header[d + 1].item<std::int64_t>());
     auto params = parameters();
@@ -187,6 +206,8 @@ class Pipeline {
   std::vector<at::Tensor> kept_;  // tensors being sent stay alive until their send completes
   double loss_sum_ = 0;
   int in_flight_ = 0, peak_ = 0;
+  std::int64_t held_bytes_ = 0, peak_bytes_ = 0;
+  double wait_seconds_ = 0, step_seconds_ = 0;
 };
 
 }  // namespace accel::pipeline
