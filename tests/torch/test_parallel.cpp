@@ -74,13 +74,14 @@ TEST_SUITE("parallel") {
     accel::spawn(4, data_by_tensor<accel::Parallel<accel::ZeRO<1>>>, bounded(120s));
   }
 
-  TEST_CASE("data 2 x pipeline 2 (4 micro-batches per data rank) equals one process") {
+  TEST_CASE_TEMPLATE("data 2 x pipeline 2 (4 micro-batches per data rank) equals one process", Data, accel::DDP,
+                     accel::ZeRO<2>) {
     accel::spawn(
         4,
         [](int) {
           const int steps = 3;
           const std::int64_t b = 4;
-          accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.pipeline = 2, .micro_batches = 4});
+          accel::Trainer<accel::Parallel<Data>> trainer(accel::Parallel<Data>{.pipeline = 2, .micro_batches = 4});
           auto& mesh = trainer.strategy_engine().mesh();
           auto model = tiny_mlp(0, 8, 16, 4, 3);  // 7 layers: stages of 3 and 4
           auto reference = tiny_mlp(0, 8, 16, 4, 3);
@@ -97,7 +98,7 @@ TEST_SUITE("parallel") {
           auto all = reference->parameters();
           const std::size_t offset = mesh.coordinate(MeshDim::pipeline) == 0 ? 0 : all.size() - mine.size();
           for (std::size_t i = 0; i < mine.size(); ++i) {
-            const double diff = (mine[i] - all[offset + i]).abs().max().item<double>();
+            const double diff = max_abs(mine[i] - all[offset + i]);
             require(diff < 1e-5, "data x pipeline: stage parameter " + std::to_string(i) + " off by " + std::to_string(diff));
           }
           require(std::isfinite(loss) && loss > 0, "every stage reports the loss");
@@ -138,6 +139,40 @@ TEST_SUITE("parallel") {
           require(diff < 1e-5, "tensor x pipeline vs one process: " + std::to_string(diff));
         },
         bounded(120s));
+  }
+
+  TEST_CASE("data 2 x tensor 2 x pipeline 2 on 8 ranks equals one process") {
+    accel::spawn(
+        8,
+        [](int) {
+          const int steps = 2;
+          const std::int64_t b = 2;
+          accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.tensor = 2, .pipeline = 2, .micro_batches = 2});
+          auto& mesh = trainer.strategy_engine().mesh();
+          require(mesh.size(MeshDim::data) == 2, "the data dimension is what is left: 8 / (2 x 2)");
+          auto& tp = trainer.tensor_group();
+          auto full = full_layers({{8, 16}, {16, 8}, {8, 16}, {16, 4}});
+          torch::nn::Sequential model(accel::nn::ColumnParallelLinear(full[0], tp), torch::nn::Tanh(),
+                                      accel::nn::RowParallelLinear(full[1], tp),
+                                      accel::nn::ColumnParallelLinear(full[2], tp), torch::nn::Tanh(),
+                                      accel::nn::RowParallelLinear(full[3], tp));
+          torch::nn::Sequential reference(full[0], torch::nn::Tanh(), full[1], full[2], torch::nn::Tanh(), full[3]);
+          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          trainer.prepare(model, opt);
+          const int d = mesh.coordinate(MeshDim::data);
+          for (int step = 0; step < steps; ++step) {
+            auto batch = global_batch(step, b * 2);
+            trainer.step(batch.x.narrow(0, d * b, b), batch.y.narrow(0, d * b, b), cross_entropy);
+          }
+          train_reference(reference, steps, b * 2);
+          const int first = mesh.coordinate(MeshDim::pipeline) == 0 ? 0 : 3;
+          auto col = model[first]->as<accel::nn::ColumnParallelLinear>();
+          auto row = model[first + 2]->as<accel::nn::RowParallelLinear>();
+          const double diff = std::max(max_abs(unsharded(tp, col->weight, 0) - full[first == 0 ? 0 : 2]->weight),
+                                       max_abs(unsharded(tp, row->weight, 1) - full[first == 0 ? 1 : 3]->weight));
+          require(diff < 1e-5, "data x tensor x pipeline vs one process: " + std::to_string(diff));
+        },
+        bounded(180s));
   }
 
   TEST_CASE("a world size the tensor and pipeline sizes do not divide is refused, naming the numbers") {
