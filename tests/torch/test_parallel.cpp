@@ -66,6 +66,35 @@ void data_by_tensor(int) {
   require(diff < 1e-5, "data x tensor vs one process: " + std::to_string(diff));
 }
 
+// Tensor 2 x pipeline 2 (x whatever data size the world leaves), per-data-rank
+// batch b, against one process on the global batch. Stage boundaries (after
+// 3 layers) fall where the activations are whole.
+void tensor_by_pipeline(int steps, std::int64_t b) {
+  accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.tensor = 2, .pipeline = 2, .micro_batches = 2});
+  auto& mesh = trainer.strategy_engine().mesh();
+  auto& tp = trainer.tensor_group();
+  const int data = mesh.size(MeshDim::data), d = mesh.coordinate(MeshDim::data);
+  require(data == trainer.num_processes() / 4, "the data dimension is what the world leaves");
+  auto full = full_layers({{8, 16}, {16, 8}, {8, 16}, {16, 4}});
+  torch::nn::Sequential model(accel::nn::ColumnParallelLinear(full[0], tp), torch::nn::Tanh(),
+                              accel::nn::RowParallelLinear(full[1], tp), accel::nn::ColumnParallelLinear(full[2], tp),
+                              torch::nn::Tanh(), accel::nn::RowParallelLinear(full[3], tp));
+  torch::nn::Sequential reference(full[0], torch::nn::Tanh(), full[1], full[2], torch::nn::Tanh(), full[3]);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  trainer.prepare(model, opt);
+  for (int step = 0; step < steps; ++step) {
+    auto batch = global_batch(step, b * data);
+    trainer.step(batch.x.narrow(0, d * b, b), batch.y.narrow(0, d * b, b), cross_entropy);
+  }
+  train_reference(reference, steps, b * data);
+  const int first = mesh.coordinate(MeshDim::pipeline) == 0 ? 0 : 3;  // this stage's layers
+  auto col = model[first]->as<accel::nn::ColumnParallelLinear>();
+  auto row = model[first + 2]->as<accel::nn::RowParallelLinear>();
+  const double diff = std::max(max_abs(unsharded(tp, col->weight, 0) - full[first == 0 ? 0 : 2]->weight),
+                               max_abs(unsharded(tp, row->weight, 1) - full[first == 0 ? 1 : 3]->weight));
+  require(diff < 1e-5, "tensor x pipeline (data " + std::to_string(data) + ") vs one process: " + std::to_string(diff));
+}
+
 }  // namespace
 
 TEST_SUITE("parallel") {
@@ -107,72 +136,11 @@ TEST_SUITE("parallel") {
   }
 
   TEST_CASE("tensor 2 x pipeline 2 equals one process") {
-    accel::spawn(
-        4,
-        [](int) {
-          const int steps = 3;
-          const std::int64_t batch_size = 4;
-          accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.tensor = 2, .pipeline = 2, .micro_batches = 2});
-          auto& mesh = trainer.strategy_engine().mesh();
-          auto& tp = trainer.tensor_group();
-          auto full = full_layers({{8, 16}, {16, 8}, {8, 16}, {16, 4}});
-          // Stage boundaries (after 3 layers) fall where activations are whole.
-          torch::nn::Sequential model(accel::nn::ColumnParallelLinear(full[0], tp), torch::nn::Tanh(),
-                                      accel::nn::RowParallelLinear(full[1], tp),
-                                      accel::nn::ColumnParallelLinear(full[2], tp), torch::nn::Tanh(),
-                                      accel::nn::RowParallelLinear(full[3], tp));
-          torch::nn::Sequential reference(full[0], torch::nn::Tanh(), full[1], full[2], torch::nn::Tanh(), full[3]);
-          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-          trainer.prepare(model, opt);
-          for (int step = 0; step < steps; ++step) {
-            auto batch = global_batch(step, batch_size);
-            trainer.step(batch.x, batch.y, cross_entropy);
-          }
-          train_reference(reference, steps, batch_size);
-          const int first = mesh.coordinate(MeshDim::pipeline) == 0 ? 0 : 3;  // this stage's layers
-          auto col = model[first]->as<accel::nn::ColumnParallelLinear>();
-          auto row = model[first + 2]->as<accel::nn::RowParallelLinear>();
-          const auto& f_col = full[first == 0 ? 0 : 2];
-          const auto& f_row = full[first == 0 ? 1 : 3];
-          const double diff = std::max((unsharded(tp, col->weight, 0) - f_col->weight).abs().max().item<double>(),
-                                       (unsharded(tp, row->weight, 1) - f_row->weight).abs().max().item<double>());
-          require(diff < 1e-5, "tensor x pipeline vs one process: " + std::to_string(diff));
-        },
-        bounded(120s));
+    accel::spawn(4, [](int) { tensor_by_pipeline(3, 4); }, bounded(120s));
   }
 
   TEST_CASE("data 2 x tensor 2 x pipeline 2 on 8 ranks equals one process") {
-    accel::spawn(
-        8,
-        [](int) {
-          const int steps = 2;
-          const std::int64_t b = 2;
-          accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.tensor = 2, .pipeline = 2, .micro_batches = 2});
-          auto& mesh = trainer.strategy_engine().mesh();
-          require(mesh.size(MeshDim::data) == 2, "the data dimension is what is left: 8 / (2 x 2)");
-          auto& tp = trainer.tensor_group();
-          auto full = full_layers({{8, 16}, {16, 8}, {8, 16}, {16, 4}});
-          torch::nn::Sequential model(accel::nn::ColumnParallelLinear(full[0], tp), torch::nn::Tanh(),
-                                      accel::nn::RowParallelLinear(full[1], tp),
-                                      accel::nn::ColumnParallelLinear(full[2], tp), torch::nn::Tanh(),
-                                      accel::nn::RowParallelLinear(full[3], tp));
-          torch::nn::Sequential reference(full[0], torch::nn::Tanh(), full[1], full[2], torch::nn::Tanh(), full[3]);
-          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-          trainer.prepare(model, opt);
-          const int d = mesh.coordinate(MeshDim::data);
-          for (int step = 0; step < steps; ++step) {
-            auto batch = global_batch(step, b * 2);
-            trainer.step(batch.x.narrow(0, d * b, b), batch.y.narrow(0, d * b, b), cross_entropy);
-          }
-          train_reference(reference, steps, b * 2);
-          const int first = mesh.coordinate(MeshDim::pipeline) == 0 ? 0 : 3;
-          auto col = model[first]->as<accel::nn::ColumnParallelLinear>();
-          auto row = model[first + 2]->as<accel::nn::RowParallelLinear>();
-          const double diff = std::max(max_abs(unsharded(tp, col->weight, 0) - full[first == 0 ? 0 : 2]->weight),
-                                       max_abs(unsharded(tp, row->weight, 1) - full[first == 0 ? 1 : 3]->weight));
-          require(diff < 1e-5, "data x tensor x pipeline vs one process: " + std::to_string(diff));
-        },
-        bounded(180s));
+    accel::spawn(8, [](int) { tensor_by_pipeline(2, 2); }, bounded(180s));
   }
 
   TEST_CASE("a world size the tensor and pipeline sizes do not divide is refused, naming the numbers") {
