@@ -53,6 +53,7 @@
 #include "accel/strategy/zero.hpp"
 #include "accel/strategy/zero3.hpp"
 #include "accel/strategy/parallel.hpp"
+#include "accel/strategy/hybrid_shard.hpp"
 
 namespace accel {
 
@@ -664,7 +665,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   // per-element tensors of all saved shards, drops the old padding, pads for
   // the new world size and keeps its own slice; other entries (Adam's step)
   // are taken from saved rank 0. Any elementwise torch::optim optimizer works.
-  void reshard_optimizer_state(const std::filesystem::path& dir, int saved_world, const std::vector<std::int64_t>& numels) {
+  void reshard_optimizer_state(const std::filesystem::path& dir, int saved_shards, const std::vector<std::int64_t>& numels) {
     auto& optimizer = *optimizer_;
     const auto& mine = engine_.optimizer_parameters();  // (shard,) per bucket, for the current world size
     auto& groups = optimizer.param_groups();
@@ -677,13 +678,13 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     };
     auto key = [](const at::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); };
     // saved[s][b]: saved rank s's state of bucket b, serialised; proto[b]: a state object of the right type
-    std::vector<std::vector<std::string>> saved(saved_world, std::vector<std::string>(mine.size()));
+    std::vector<std::vector<std::string>> saved(saved_shards, std::vector<std::string>(mine.size()));
     std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> proto(mine.size());
-    for (int s = 0; s < saved_world; ++s) {
+    for (int s = 0; s < saved_shards; ++s) {
       std::vector<at::Tensor> stand_in(mine.size());
       for (std::size_t b = 0; b < mine.size(); ++b) {
-        const std::int64_t padded = (numels[b] + saved_world - 1) / saved_world * saved_world;
-        stand_in[b] = at::zeros({padded / saved_world}, mine[b].options());
+        const std::int64_t padded = (numels[b] + saved_shards - 1) / saved_shards * saved_shards;
+        stand_in[b] = at::zeros({padded / saved_shards}, mine[b].options());
       }
       for (std::size_t g = 0; g < groups.size(); ++g) {
         groups[g].params().clear();
@@ -704,15 +705,15 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     }
     optimizer.state().clear();
     for (std::size_t g = 0; g < groups.size(); ++g) groups[g].params() = original[g];
-    const int world = num_processes(), rank = process_index();
+    const int shards_now = engine_.shard_count(), rank = engine_.shard_rank();
     for (std::size_t b = 0; b < mine.size(); ++b) {
       if (!proto[b]) continue;
-      std::vector<torch::serialize::InputArchive> shards(saved_world);
-      for (int s = 0; s < saved_world; ++s) {
+      std::vector<torch::serialize::InputArchive> shards(saved_shards);
+      for (int s = 0; s < saved_shards; ++s) {
         std::istringstream bytes(saved[s][b]);
         shards[s].load_from(bytes);
       }
-      const std::int64_t saved_shard = (numels[b] + saved_world - 1) / saved_world;
+      const std::int64_t saved_shard = (numels[b] + saved_shards - 1) / saved_shards;
       const std::int64_t shard = mine[b].numel();
       torch::serialize::OutputArchive merged;
       for (const auto& name : shards[0].keys()) {
@@ -720,14 +721,14 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         shards[0].read(name, first);
         if (first.isTensor() && first.toTensor().dim() == 1 && first.toTensor().numel() == saved_shard) {
           std::vector<at::Tensor> parts;
-          for (int s = 0; s < saved_world; ++s) {
+          for (int s = 0; s < saved_shards; ++s) {
             c10::IValue part;
             shards[s].read(name, part);
             parts.push_back(part.toTensor());
           }
           // (numels[b],) the whole bucket's state, then (shard,) this rank's slice of it re-padded
           auto full = at::cat(parts).narrow(0, 0, numels[b]);
-          auto padded = at::zeros({shard * world}, full.options());
+          auto padded = at::zeros({shard * shards_now}, full.options());
           padded.narrow(0, 0, numels[b]).copy_(full);
           merged.write(name, padded.narrow(0, rank * shard, shard).clone());
         } else {
@@ -777,7 +778,10 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     m["format_version"] = checkpoint::format_version;
     m["world_size"] = num_processes();
     m["replicated"] = !engine_type::shards_gradients;
-    if constexpr (engine_type::shards_gradients) m["bucket_numels"] = engine_.bucket_numels();
+    if constexpr (engine_type::shards_gradients) {
+      m["bucket_numels"] = engine_.bucket_numels();
+      m["shard_count"] = engine_.shard_count();
+    }
     m["mixed_precision"] = Precision::name;
     m["optimizer_steps"] = optimizer_steps_;
     m["micro_steps"] = micro_steps_;
@@ -854,10 +858,13 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
           throw checkpoint::CheckpointError(where + "its ZeRO buckets hold " + m.at("bucket_numels").dump() +
                                             " elements, this trainer's a different layout: use the same "
                                             "bucket_cap_mb and model");
-        if (saved_world_size(m) == num_processes())
-          torch::load(*optimizer_, (dir / ("optimizer_shard_" + std::to_string(process_index()) + ".pt")).string());
+        // Shard s of a saved job is in the file of its rank s (the first
+        // shard group's, under HybridShard, whose replicas hold the same).
+        const int saved_shards = m.at("shard_count").get<int>();
+        if (saved_shards == engine_.shard_count())
+          torch::load(*optimizer_, (dir / ("optimizer_shard_" + std::to_string(engine_.shard_rank()) + ".pt")).string());
         else
-          reshard_optimizer_state(dir, saved_world_size(m), numels);
+          reshard_optimizer_state(dir, saved_shards, numels);
       } else {
         torch::load(*optimizer_, (dir / "optimizer.pt").string());
       }

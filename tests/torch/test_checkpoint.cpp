@@ -151,6 +151,54 @@ TEST_SUITE("checkpoint") {
     fs::remove_all(dir);
   }
 
+  TEST_CASE("a HybridShard checkpoint from 4 ranks (2 groups of 2) resumes under ZeRO-3 on 2 and on 3 ranks") {
+    const std::int64_t b = 2, k = 3, n = 5;
+    const auto dir = fresh_dir("hybrid");
+    accel::spawn(
+        4,
+        [&](int rank) {
+          accel::Trainer<accel::HybridShard> trainer(accel::HybridShard{.shard_group_size = 2});
+          auto net = tiny_mlp(0);
+          torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+          trainer.prepare(net, opt);
+          for (std::int64_t step = 0; step < k; ++step) {
+            auto batch = global_batch(step, b * 4);
+            trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
+          }
+          trainer.save_state(dir);
+        },
+        bounded(120s));
+    for (int world : {2, 3}) {
+      CAPTURE(world);
+      accel::spawn(
+          world,
+          [&](int rank) {
+            accel::Trainer<accel::ZeRO<3>> trainer;
+            auto net = tiny_mlp(0);
+            torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+            trainer.prepare(net, opt);
+            trainer.load_state(dir);
+            for (std::int64_t step = k; step < n; ++step) {
+              auto batch = global_batch(step, b * world);
+              trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
+            }
+            trainer.unwrap_model();
+            auto reference = tiny_mlp(0);
+            torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
+            for (std::int64_t step = 0; step < n; ++step) {
+              auto batch = global_batch(step, b * (step < k ? 4 : world));
+              ref_opt.zero_grad();
+              loss_of(reference, batch.x, batch.y).backward();
+              ref_opt.step();
+            }
+            const double diff = max_param_diff(*net, *reference);
+            require(diff < 1e-5, "resumed on " + std::to_string(world) + " ranks: " + std::to_string(diff));
+          },
+          bounded(120s));
+    }
+    fs::remove_all(dir);
+  }
+
   TEST_CASE("a save killed midway leaves the previous checkpoint loadable and the broken one rejected") {
     const auto first = fresh_dir("good"), second = fresh_dir("killed"), marker = fresh_dir("marker");
     auto make_big = [] {

@@ -234,4 +234,33 @@ TEST_SUITE("zero") {
         },
         bounded(120s));
   }
+
+  TEST_CASE("HybridShard (FSDP HYBRID_SHARD): 4 ranks in 2 shard groups of 2 equal one process; each rank holds "
+            "half the model") {
+    accel::spawn(
+        4,
+        [](int rank) {
+          const int steps = 4;
+          const std::int64_t b = 3;
+          auto single = reference(steps, b * 4);
+          accel::Trainer<accel::HybridShard> trainer(
+              accel::HybridShard{.zero = {.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60},
+                                 .shard_group_size = 2});
+          auto net = odd_mlp();
+          torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+          trainer.prepare(net, opt);
+          for (int step = 0; step < steps; ++step) {
+            auto batch = odd_batch(step, b * 4);
+            trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
+          }
+          std::int64_t P = 0;
+          for (auto n : trainer.strategy_engine().bucket_numels()) P += (n + 1) / 2 * 2;
+          const auto bytes = trainer.model_state_bytes();
+          require(bytes.parameters == 4 * P / 2 && bytes.optimizer_state == 8 * P / 2, "sharded over the group of 2");
+          trainer.unwrap_model();
+          const double diff = max_param_diff(*net, *single);
+          require(diff < 1e-5, "HybridShard vs one process: " + std::to_string(diff));
+        },
+        bounded(120s));
+  }
 }

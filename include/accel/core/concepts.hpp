@@ -25,6 +25,8 @@ template <int Stage>
 inline constexpr bool enable_strategy_policy<ZeRO<Stage>> = true;
 template <class Data>
 inline constexpr bool enable_strategy_policy<Parallel<Data>> = true;
+template <>
+inline constexpr bool enable_strategy_policy<HybridShard> = true;
 
 template <class T>
 inline constexpr bool enable_precision_policy = false;

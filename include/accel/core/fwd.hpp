@@ -17,6 +17,8 @@ template <int Stage, class Precision, class Device>
 class ZeROEngine;
 template <class Data, class Precision, class Device>
 class ParallelEngine;
+template <class Precision, class Device>
+class HybridShardEngine;
 }  // namespace strategy
 
 }  // namespace accel

@@ -82,17 +82,31 @@ struct ZeRO {
       Stage == 3 ? "FULL_SHARD" : Stage == 2 ? "SHARD_GRAD_OP" : nullptr;
 };
 
+/// FSDP's HYBRID_SHARD: ZeRO-3 within groups of `shard_group_size`
+/// consecutive ranks (0: one machine's ranks, LOCAL_WORLD_SIZE), replicated
+/// across the groups, whose gradient shards are then averaged: the
+/// all-gathers stay on a machine, only the gradient all-reduce crosses.
+///   accel::Trainer<accel::HybridShard> t{accel::HybridShard{.shard_group_size = 8}};
+struct HybridShard {
+  ZeRO<3> zero{};
+  int shard_group_size = 0;
+
+  template <class Precision, class Device>
+  using engine = strategy::HybridShardEngine<Precision, Device>;
+  static constexpr bool distributed = true;
+  static constexpr const char* fsdp_sharding_strategy = "HYBRID_SHARD";
+};
+
 /// FSDP's names for the same strategies (Accelerate's fsdp_sharding_strategy).
 enum class ShardingStrategy { FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD };
 
 namespace detail {
 template <ShardingStrategy S>
 struct fsdp_policy {
-  static_assert(S != ShardingStrategy::HYBRID_SHARD,
-                "accel: FSDP HYBRID_SHARD (shard within a group, replicate across) is not implemented yet: use "
-                "FULL_SHARD (ZeRO<3>) or SHARD_GRAD_OP (ZeRO<2>)");
   using type = ZeRO<3>;
 };
+template <>
+struct fsdp_policy<ShardingStrategy::HYBRID_SHARD> { using type = HybridShard; };
 template <>
 struct fsdp_policy<ShardingStrategy::SHARD_GRAD_OP> { using type = ZeRO<2>; };
 template <>

@@ -137,6 +137,10 @@ class ZeROEngine : public BucketedEngineBase {
   /// The tensors the optimizer steps: this rank's shard of each bucket.
   const std::vector<at::Tensor>& optimizer_parameters() const { return shards_; }
 
+  /// How many shards the state is cut into, and which one this rank holds.
+  int shard_count() const { return state_->comm->size(); }
+  int shard_rank() const { return state_->comm->rank(); }
+
   /// Elements per bucket (without padding): the checkpoint's resharding map.
   std::vector<std::int64_t> bucket_numels() const {
     std::vector<std::int64_t> out;

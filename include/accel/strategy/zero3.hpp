@@ -358,6 +358,10 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
 
   const std::vector<at::Tensor>& optimizer_parameters() const { return z3_->shards; }
 
+  /// How many shards the state is cut into, and which one this rank holds.
+  int shard_count() const { return state_->comm->size(); }
+  int shard_rank() const { return state_->comm->rank(); }
+
   std::vector<std::int64_t> bucket_numels() const {
     std::vector<std::int64_t> out;
     for (const auto& bucket : state_->buckets) out.push_back(bucket.numel);

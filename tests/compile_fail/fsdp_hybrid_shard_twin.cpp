@@ -1,0 +1,5 @@
+// HYBRID_SHARD is its own policy (ZeRO-3 within groups, replicated across).
+// expect-pass
+#include <accel/trainer.hpp>
+static_assert(std::is_same_v<accel::FSDP<accel::ShardingStrategy::HYBRID_SHARD>, accel::HybridShard>);
+void build() { accel::Trainer<accel::FSDP<accel::ShardingStrategy::HYBRID_SHARD>> trainer{{.shard_group_size = 2}}; }
