@@ -12,6 +12,7 @@
 //   --widths a,b,c,...       MLP layer widths (default 512,1024,1024,1024,10)
 //   --bucket_cap_mb X        DDP{.bucket_cap_mb} (default: accel's, 25)
 //   --first_bucket_cap_mb X  DDP{.first_bucket_cap_mb} (default: accel's, 1)
+//   --comm_hook none|fp16    DDP{.comm_hook}: gradients on the wire in fp16 (default none)
 //   --plain 1                time trainer.step() as one block (no phase split)
 //   --comm_probe K           afterwards, K rounds of the same bucket all-reduces
 //                            without any compute (communication floor)
@@ -115,6 +116,10 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   settings.first_bucket_cap_mb =
       std::stod(flag(argc, argv, "first_bucket_cap_mb", std::to_string(settings.first_bucket_cap_mb)));
 
+  if constexpr (std::is_same_v<Strategy, accel::DDP>) {
+    const std::string hook = flag(argc, argv, "comm_hook", "none");
+    settings.comm_hook = hook == "fp16" ? accel::CommHook::fp16 : hook == "bf16" ? accel::CommHook::bf16 : accel::CommHook::none;
+  }
   if constexpr (std::is_same_v<Strategy, accel::ZeRO<3>>) {
     // One unit per large layer (each 1024x1024 Linear), as FSDP's size-based wrap would.
     settings.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP;
