@@ -216,12 +216,9 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     auto position = std::make_shared<data::LoaderPosition>();
     loader_positions_.push_back(position);
     // Tensor and pipeline peers read the same samples: shard over the data group.
-    int shards = num_processes(), shard = process_index();
-    if constexpr (requires { engine_.data_group(); }) {
-      shards = engine_.data_group().size();
-      shard = engine_.data_group().rank();
-    }
-    return data::DataLoader<Dataset>(std::move(dataset), options, shards, shard, device_, cursor_, std::move(position));
+    auto& group = data_group();
+    return data::DataLoader<Dataset>(std::move(dataset), options, group.size(), group.rank(), device_, cursor_,
+                                     std::move(position));
   }
 
   // ------------------------------------------------------------ the step
@@ -269,6 +266,13 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     if (!sequential_)
       throw std::logic_error("accel: step(inputs, targets, loss_fn) needs a prepared torch::nn::Sequential");
     return step([&] { return loss_fn(sequential_->forward(inputs), targets); }).template item<double>();
+  }
+
+  /// The ranks that read different data: the mesh's data group under
+  /// Parallel<>, every rank otherwise.
+  comm::Communicator& data_group() {
+    if constexpr (requires { engine_.data_group(); }) return engine_.data_group();
+    else return comm_;
   }
 
   /// The group a model's tensor-parallel layers (accel::nn) communicate
@@ -390,9 +394,12 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
 
   // ------------------------------------------------------------ collectives
   /// Every rank's `tensor` concatenated along dimension 0, in rank order.
+  /// (Under Parallel<>, over the data group: tensor and pipeline peers hold
+  /// the same samples, which would otherwise be gathered twice.)
   at::Tensor gather(const at::Tensor& tensor) {
-    if (!comm_.distributed()) return tensor;
-    return at::cat(comm_.all_gather(tensor, "gather"), 0);
+    auto& group = data_group();
+    if (!group.distributed()) return tensor;
+    return at::cat(group.all_gather(tensor, "gather"), 0);
   }
 
   /// Like gather, but drops the samples the sampler repeated to even out the
@@ -400,11 +407,12 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// `tensor`'s first dimension must be the current batch of the most
   /// recently iterated prepared loader.
   at::Tensor gather_for_metrics(const at::Tensor& tensor) {
-    if (!comm_.distributed()) return tensor;
-    auto parts = comm_.all_gather(tensor, "gather_for_metrics");
+    auto& group = data_group();
+    if (!group.distributed()) return tensor;
+    auto parts = group.all_gather(tensor, "gather_for_metrics");
     const auto& cursor = *cursor_;
     if (cursor.sampler == nullptr || tensor.size(0) != cursor.count) return at::cat(parts, 0);
-    for (int r = 0; r < num_processes(); ++r)
+    for (int r = 0; r < group.size(); ++r)
       parts[r] = parts[r].narrow(0, 0, cursor.sampler->real_in(r, cursor.first, cursor.count));
     return at::cat(parts, 0);
   }

@@ -1,5 +1,7 @@
 // Parallel<Data>: data x tensor, data x pipeline and tensor x pipeline on 4
 // ranks (real Gloo sub-groups), each equal to one process on the global batch.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/sort.h>
 #include <torch/optim/sgd.h>
 
 #include "accel/nn/tensor_parallel.hpp"
@@ -141,6 +143,33 @@ TEST_SUITE("parallel") {
 
   TEST_CASE("data 2 x tensor 2 x pipeline 2 on 8 ranks equals one process") {
     accel::spawn(8, [](int) { tensor_by_pipeline(2, 2); }, bounded(180s));
+  }
+
+  TEST_CASE("data 2 x tensor 2: the loader shards over the data group and gather_for_metrics counts each sample once") {
+    accel::spawn(
+        4,
+        [](int) {
+          accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.tensor = 2});
+          auto& mesh = trainer.strategy_engine().mesh();
+          auto& tp = trainer.tensor_group();
+          const std::int64_t n = 11;
+          auto loader = trainer.prepare(accel::data::TensorDataset(at::arange(n).unsqueeze(1).to(at::kFloat), at::arange(n)),
+                                        {.batch_size = 2, .shuffle = true, .seed = 1});
+          std::vector<at::Tensor> seen, gathered;
+          for (auto batch : loader) {
+            seen.push_back(batch.target);
+            gathered.push_back(trainer.gather_for_metrics(batch.target));
+          }
+          // Tensor peers read the same samples ...
+          auto mine = at::cat(seen);
+          auto peers = tp.all_gather(mine, "test");
+          require(peers[0].equal(peers[1]), "tensor peers read the same shard");
+          // ... and the data ranks between them every sample once.
+          auto all = std::get<0>(at::cat(gathered).sort());
+          require(all.equal(at::arange(n)), "each of the 11 samples exactly once (data coordinate " +
+                                                std::to_string(mesh.coordinate(MeshDim::data)) + ")");
+        },
+        bounded());
   }
 
   TEST_CASE("a world size the tensor and pipeline sizes do not divide is refused, naming the numbers") {
