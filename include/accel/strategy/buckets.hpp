@@ -151,6 +151,34 @@ class GradientBuckets {
   }
 };
 
+// The root's parameters and buffers on every rank of `group`, one broadcast
+// per dtype and device (a model's state starts equal everywhere).
+inline void broadcast_module_state(torch::nn::Module& model, comm::Communicator& group, const std::string& what) {
+  if (!group.distributed()) return;
+  std::vector<at::Tensor> tensors = model.parameters();
+  for (auto& b : model.buffers()) tensors.push_back(b);
+  c10::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> by_dtype;
+  for (auto& t : tensors) {
+    auto it = std::find_if(by_dtype.begin(), by_dtype.end(), [&](auto& g) {
+      return g.front().scalar_type() == t.scalar_type() && g.front().device() == t.device();
+    });
+    if (it == by_dtype.end()) by_dtype.push_back({t});
+    else it->push_back(t);
+  }
+  for (auto& same_kind : by_dtype) {
+    std::vector<at::Tensor> flat_parts;
+    for (auto& t : same_kind) flat_parts.push_back(t.reshape({-1}));
+    auto flat = at::cat(flat_parts);
+    group.broadcast(flat, 0, what);
+    std::int64_t offset = 0;
+    for (auto& t : same_kind) {
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
 class ReadyHook final : public compat::PostHook {
  public:
   ReadyHook(std::weak_ptr<GradientBuckets> state, std::size_t index) : state_(std::move(state)), index_(index) {}
@@ -189,6 +217,19 @@ class BucketedEngineBase {
   /// Gradient accumulation: with `false`, backward accumulates into the
   /// buckets without communicating (DDP's no_sync).
   void set_gradient_sync(bool sync) { state_->sync = sync; }
+
+  /// Waits for every bucket's collective in bucket order, running
+  /// `after(b)` once bucket b's has landed, then readies the next backward.
+  template <class AfterWait>
+  void wait_for_buckets(std::vector<comm::Pending>& work, AfterWait&& after) {
+    auto& s = *state_;
+    s.check_all_ready();
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      work[b].wait();
+      after(b);
+    }
+    s.reset();
+  }
 
   /// After gradients were accumulated without sync (a pipeline's micro-
   /// batches): mark every parameter ready, which launches every bucket.
@@ -230,7 +271,7 @@ class BucketedEngineBase {
       s.params.push_back(item.value());
     }
     check_same_model_everywhere(model);
-    broadcast_from_rank0(model);
+    detail::broadcast_module_state(model, *s.comm, "broadcast of rank 0's parameters at prepare");
   }
 
   /// Moves bucket `b`'s parameters into one flat (padded,) buffer, each
@@ -351,34 +392,6 @@ class BucketedEngineBase {
                                  std::to_string(all[0][0].item<std::int64_t>()) + " parameters, " +
                                  std::to_string(all[0][1].item<std::int64_t>()) +
                                  " elements): every rank must build the same model");
-  }
-
-  // Rank 0's parameters and buffers everywhere, one broadcast per dtype.
-  void broadcast_from_rank0(torch::nn::Module& model) {
-    auto& s = *state_;
-    if (!s.comm->distributed()) return;
-    std::vector<at::Tensor> tensors = model.parameters();
-    for (auto& b : model.buffers()) tensors.push_back(b);
-    c10::NoGradGuard no_grad;
-    std::vector<std::vector<at::Tensor>> by_dtype;
-    for (auto& t : tensors) {
-      auto it = std::find_if(by_dtype.begin(), by_dtype.end(), [&](auto& g) {
-        return g.front().scalar_type() == t.scalar_type() && g.front().device() == t.device();
-      });
-      if (it == by_dtype.end()) by_dtype.push_back({t});
-      else it->push_back(t);
-    }
-    for (auto& group : by_dtype) {
-      std::vector<at::Tensor> flat_parts;
-      for (auto& t : group) flat_parts.push_back(t.reshape({-1}));
-      auto flat = at::cat(flat_parts);
-      s.comm->broadcast(flat, 0, "broadcast of rank 0's parameters at prepare");
-      std::int64_t offset = 0;
-      for (auto& t : group) {
-        t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-        offset += t.numel();
-      }
-    }
   }
 
  protected:

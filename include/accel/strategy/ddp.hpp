@@ -50,13 +50,9 @@ class DDPEngine : public BucketedEngineBase {
   void before_backward(const at::Tensor& loss) { mark_unused_ready(loss); }
 
   void synchronize_gradients() {
-    auto& s = *state_;
-    s.check_all_ready();
-    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      work_[b].wait();
-      if (!wire_.empty() && s.comm->distributed()) s.buckets[b].grad.copy_(wire_[b]);
-    }
-    s.reset();
+    wait_for_buckets(work_, [&](std::size_t b) {
+      if (!wire_.empty() && state_->comm->distributed()) state_->buckets[b].grad.copy_(wire_[b]);
+    });
   }
 
   void after_optimizer_step() {}

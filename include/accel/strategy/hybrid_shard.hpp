@@ -6,8 +6,6 @@
 // averaged across the groups with one all-reduce per bucket.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
-#include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -62,19 +60,8 @@ class HybridShardEngine {
 
   void prepare_model(torch::nn::Module& model) {
     inner_.prepare_model(model);  // equal within the shard group: its first rank's weights
-    // ... and across the replicas: the first group's.
-    auto& replicas = groups_.second;
-    if (!replicas.distributed()) return;
-    c10::NoGradGuard no_grad;
-    std::vector<at::Tensor> flat_parts;
-    for (auto& p : model.parameters()) flat_parts.push_back(p.reshape({-1}));
-    auto flat = at::cat(flat_parts);
-    replicas.broadcast(flat, 0, "broadcast of the first replica's parameters at prepare");
-    std::int64_t offset = 0;
-    for (auto& p : model.parameters()) {
-      p.copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
-      offset += p.numel();
-    }
+    // ... and across the replicas: the first group's (buffers too).
+    detail::broadcast_module_state(model, groups_.second, "broadcast of the first replica's parameters at prepare");
   }
   void prepare_optimizer(torch::optim::Optimizer& optimizer) { inner_.prepare_optimizer(optimizer); }
   void before_forward() { inner_.before_forward(); }

@@ -94,13 +94,9 @@ class ZeROEngine : public BucketedEngineBase {
   }
 
   void synchronize_gradients() {
-    auto& s = *state_;
-    s.check_all_ready();
-    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      work_[b].wait();
+    wait_for_buckets(work_, [&](std::size_t b) {
       if constexpr (Stage == 2) finish_reduce_scatter(grad_shards_[b], received_[b]);
-    }
-    s.reset();
+    });
     if constexpr (Stage == 2) release_full_gradients();
   }
 

@@ -338,13 +338,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   }
 
   void synchronize_gradients() {
-    auto& s = *state_;
-    s.check_all_ready();
-    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      work_[b].wait();
-      finish_reduce_scatter(grad_shards_[b], received_[b]);
-    }
-    s.reset();
+    wait_for_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(grad_shards_[b], received_[b]); });
     release_full_gradients();
     z3_->backward = false;
     z3_->release_all();
