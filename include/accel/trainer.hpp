@@ -23,6 +23,8 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -77,10 +79,18 @@ struct TrainerOptions {
 /// parameter storage, gradient storage, and the optimizer's per-element state
 /// (scalar counters such as Adam's step are not counted).
 struct ModelStateBytes {
+  // Held on the training device (for a CPU device: all of it, except what
+  // the offload fields below count).
   std::int64_t parameters = 0;
   std::int64_t gradients = 0;
   std::int64_t optimizer_state = 0;
+  // Held in host memory by cpu_offload (NOTE [CPU offload]): the shards'
+  // host twins the optimizer steps, their gradients, and the optimizer state.
+  std::int64_t offloaded_parameters = 0;
+  std::int64_t offloaded_gradients = 0;
+  std::int64_t offloaded_optimizer_state = 0;
   std::int64_t total() const { return parameters + gradients + optimizer_state; }
+  std::int64_t offloaded_total() const { return offloaded_parameters + offloaded_gradients + offloaded_optimizer_state; }
 };
 
 /// Thrown when the launcher's settings contradict the compiled policies.
@@ -167,6 +177,26 @@ void check_launcher_sharding() {
                              ": use accel::FSDP<accel::ShardingStrategy::" + name + "> or change the config");
 }
 
+// `accel launch` with fsdp_offload_params: true exports FSDP_OFFLOAD_PARAMS,
+// which turns on the strategy's cpu_offload (as Accelerate's FSDP plugin
+// reads it); a strategy that cannot offload refuses it.
+template <class Strategy>
+Strategy with_launcher_offload(Strategy strategy) {
+  auto requested = comm::process_environment("FSDP_OFFLOAD_PARAMS");
+  if (!requested) return strategy;
+  std::string value = *requested;
+  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (value == "false" || value == "0" || value.empty()) return strategy;
+  if (value != "true" && value != "1")
+    throw ConfigurationError("accel: FSDP_OFFLOAD_PARAMS='" + *requested + "' is not true or false");
+  if constexpr (requires { strategy.cpu_offload; }) strategy.cpu_offload = true;
+  else if constexpr (requires { strategy.zero.cpu_offload; }) strategy.zero.cpu_offload = true;
+  else
+    throw ConfigurationError("accel: the launcher asked for fsdp_offload_params=true but this program's Trainer "
+                             "strategy shards no optimizer state: use accel::ZeRO<N> or an accel::FSDP strategy");
+  return strategy;
+}
+
 }  // namespace detail
 
 template <class Strategy = SingleProcess, class Precision = FP32, class Device = CPU>
@@ -178,7 +208,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   using engine_type = typename Strategy::template engine<Precision, Device>;
 
   explicit Trainer(Strategy strategy = {}, Precision precision = {}, Device device = {}, TrainerOptions options = {})
-      : strategy_(strategy),
+      : strategy_(detail::with_launcher_offload(strategy)),
         precision_(precision),
         options_(options),
         world_(comm::world_from_environment()),
@@ -438,20 +468,32 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
       if (!t.defined() || !t.has_storage()) return;
       if (seen.insert(t.storage().unsafeGetStorageImpl()).second) into += static_cast<std::int64_t>(t.storage().nbytes());
     };
+    std::unordered_set<const void*> host;  // the tensors cpu_offload steps in host memory
+    if constexpr (requires { engine_.offloaded_parameters(); })
+      for (const auto& p : engine_.offloaded_parameters()) {
+        host.insert(p.unsafeGetTensorImpl());
+        count(p, bytes.offloaded_parameters);
+        count(p.grad(), bytes.offloaded_gradients);
+      }
     for (const auto& model : models_)
       for (const auto& p : model->parameters()) count(p, bytes.parameters);
     for (const auto& p : engine_.optimizer_parameters()) count(p, bytes.parameters);  // ZeRO-3's own shards
+    if constexpr (requires { engine_.device_shards(); })
+      for (const auto& p : engine_.device_shards()) count(p, bytes.parameters);
     for (const auto& model : models_)
       for (const auto& p : model->parameters()) count(p.grad(), bytes.gradients);
     for (const auto& p : engine_.optimizer_parameters()) count(p.grad(), bytes.gradients);
+    if constexpr (requires { engine_.device_shards(); })
+      for (const auto& p : engine_.device_shards()) count(p.grad(), bytes.gradients);
     if (optimizer_ != nullptr)
       for (const auto& group : optimizer_->param_groups())
         for (const auto& p : group.params()) {
           auto it = optimizer_->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
           if (it == optimizer_->state().end()) continue;
           // Copies read back from the state's serialisation: sized, not deduplicated.
+          auto& into = host.contains(p.unsafeGetTensorImpl()) ? bytes.offloaded_optimizer_state : bytes.optimizer_state;
           for (const auto& t : detail::per_element_state(*it->second, p))
-            bytes.optimizer_state += static_cast<std::int64_t>(t.numel() * t.element_size());
+            into += static_cast<std::int64_t>(t.numel() * t.element_size());
         }
     return bytes;
   }
@@ -848,6 +890,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
       load_in_place(*models_[i], archive);
     }
     if constexpr (requires { engine_.release_full_parameters(true); }) engine_.release_full_parameters(true);
+    if constexpr (requires { engine_.parameters_loaded(); }) engine_.parameters_loaded();  // cpu_offload's host twins
     // LibTorch's LRScheduler exposes no state: replay its steps (the
     // optimizer's learning rates are then overwritten by the saved ones).
     if (scheduler_ != nullptr)

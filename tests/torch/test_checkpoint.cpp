@@ -65,9 +65,9 @@ void require_identical(torch::nn::Sequential& a, torch::optim::Adam& oa, torch::
 // The same run, interrupted after `k` steps and resumed from its checkpoint,
 // against one uninterrupted run to `n` steps.
 template <class Strategy>
-void interrupted_equals_uninterrupted(const fs::path& dir, std::int64_t k, std::int64_t n) {
+void interrupted_equals_uninterrupted(const fs::path& dir, std::int64_t k, std::int64_t n, Strategy strategy = {}) {
   auto run = [&](std::int64_t stop, bool resume) {
-    accel::Trainer<Strategy> trainer;
+    accel::Trainer<Strategy> trainer(strategy);
     trainer.set_seed(1);
     auto net = tiny_mlp(0);
     auto opt = std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-2));
@@ -105,6 +105,17 @@ TEST_SUITE("checkpoint") {
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<2>>(dir, 5, 12); }, bounded(120s));
     fs::remove_all(dir);
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<3>>(dir, 5, 12); }, bounded(120s));
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("exact resume under cpu_offload, 2-rank ZeRO-1 and ZeRO-3: the host twins take over the loaded "
+            "parameters; bitwise equal to an uninterrupted run") {
+    const auto dir = fresh_dir("offload");
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted(dir, 5, 12, accel::ZeRO<1>{.cpu_offload = true}); },
+                 bounded(120s));
+    fs::remove_all(dir);
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted(dir, 5, 12, accel::ZeRO<3>{.cpu_offload = true}); },
+                 bounded(120s));
     fs::remove_all(dir);
   }
 

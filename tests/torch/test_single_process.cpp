@@ -99,6 +99,28 @@ TEST_SUITE("single_process") {
     ::unsetenv("FSDP_SHARDING_STRATEGY");
   }
 
+  TEST_CASE("a launcher's fsdp_offload_params=true turns on cpu_offload; a strategy without sharded state refuses it") {
+    ::setenv("FSDP_OFFLOAD_PARAMS", "true", 1);
+    {
+      accel::Trainer<accel::ZeRO<1>> trainer;
+      auto net = tiny_mlp(0);
+      torch::optim::SGD opt(net->parameters(), 0.1);
+      trainer.prepare(net, opt);
+      CHECK(trainer.strategy_engine().offloaded_parameters().size() == opt.param_groups()[0].params().size());
+    }
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::DDP>{}, doctest::Contains("fsdp_offload_params=true"),
+                         accel::ConfigurationError);
+    ::setenv("FSDP_OFFLOAD_PARAMS", "maybe", 1);
+    CHECK_THROWS_WITH(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_OFFLOAD_PARAMS='maybe'"));
+    ::setenv("FSDP_OFFLOAD_PARAMS", "false", 1);
+    accel::Trainer<accel::ZeRO<1>> plain;
+    auto net = tiny_mlp(0);
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    plain.prepare(net, opt);
+    CHECK(plain.strategy_engine().offloaded_parameters().empty());
+    ::unsetenv("FSDP_OFFLOAD_PARAMS");
+  }
+
   TEST_CASE("a launcher asking for another precision than the compiled one is an error") {
     ::setenv("ACCELERATE_MIXED_PRECISION", "bf16", 1);
     CHECK_THROWS_WITH_AS(accel::Trainer<>{}, doctest::Contains("mixed_precision=bf16"), accel::ConfigurationError);

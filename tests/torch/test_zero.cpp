@@ -235,31 +235,111 @@ TEST_SUITE("zero") {
         bounded(120s));
   }
 
-  TEST_CASE("HybridShard (FSDP HYBRID_SHARD): 4 ranks in 2 shard groups of 2 equal one process; each rank holds "
-            "half the model") {
+  TEST_CASE("cpu_offload: ZeRO-1, ZeRO-2 and ZeRO-3 stepping host twins equal the same strategy without offload "
+            "(bitwise) and one process; the optimizer state is held only by the twins") {
+    // NOTE [CPU offload]. On this CPU device the twins are separate host
+    // copies, so the copy-in / step / copy-out path runs as it does on CUDA.
+    spawn_each({2, 3}, [](int world, int rank) {
+      const int steps = 4;
+      const std::int64_t b = 3;
+      auto single = reference(steps, b * world);
+      auto compare = [&](const char* name, auto plain_strategy, auto offloaded_strategy) {
+        auto plain = train(plain_strategy, rank, world, steps, b);
+        auto offloaded = train(offloaded_strategy, rank, world, steps, b);
+        require(max_param_diff(*offloaded, *plain) == 0, std::string(name) + ": offloaded == not offloaded, bitwise");
+        require(max_param_diff(*offloaded, *single) < 1e-5, std::string(name) + ": offloaded vs one process");
+      };
+      const double cap = 0.0002;  // several buckets
+      compare("ZeRO-1", accel::ZeRO<1>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap},
+              accel::ZeRO<1>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap, .cpu_offload = true});
+      compare("ZeRO-2", accel::ZeRO<2>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap},
+              accel::ZeRO<2>{.bucket_cap_mb = cap, .first_bucket_cap_mb = cap, .cpu_offload = true});
+      using accel::AutoWrapPolicy;
+      compare("ZeRO-3", accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60},
+              accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60,
+                             .cpu_offload = true});
+      // Accumulation and global-norm clipping act on the twins' gradients.
+      auto accumulated = train(accel::ZeRO<3>{.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP,
+                                              .min_num_params = 60, .cpu_offload = true},
+                               rank, world, steps, b, 2, 0.05);
+      require(max_param_diff(*accumulated, *reference(steps, b * world * 2, 0.05)) < 1e-5,
+              "offloaded ZeRO-3 with accumulation and clipping");
+      auto clipped = train(accel::ZeRO<2>{.bucket_cap_mb = cap, .cpu_offload = true}, rank, world, steps, b, 1, 0.05);
+      require(max_param_diff(*clipped, *reference(steps, b * world, 0.05)) < 1e-5, "offloaded ZeRO-2 with clipping");
+    }, bounded(180s));
+  }
+
+  TEST_CASE("cpu_offload memory: the device keeps no optimizer state; the host holds the shard, its gradient and "
+            "the Adam state (ZeRO formulas / N)") {
+    spawn_each({2, 3}, [](int world, int) {
+      auto measure = [&](auto strategy, std::int64_t& padded) {
+        accel::Trainer<decltype(strategy)> trainer(strategy);
+        auto net = odd_mlp();
+        torch::optim::Adam opt(net->parameters());
+        trainer.prepare(net, opt);
+        auto batch = odd_batch(0, 4);
+        trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+        padded = 0;
+        for (auto n : trainer.strategy_engine().bucket_numels()) padded += (n + world - 1) / world * world;
+        return trainer.model_state_bytes();
+      };
+      std::int64_t P = 0;
+      auto describe = [](const accel::ModelStateBytes& m) {
+        return std::to_string(m.parameters) + " " + std::to_string(m.gradients) + " " +
+               std::to_string(m.optimizer_state) + " | " + std::to_string(m.offloaded_parameters) + " " +
+               std::to_string(m.offloaded_gradients) + " " + std::to_string(m.offloaded_optimizer_state);
+      };
+      auto host_side = [&](const accel::ModelStateBytes& m, const std::string& name) {
+        require(m.optimizer_state == 0, name + ": no optimizer state on the device: " + describe(m));
+        require(m.offloaded_parameters == 4 * P / world && m.offloaded_gradients == 4 * P / world &&
+                    m.offloaded_optimizer_state == 8 * P / world,
+                name + ": host holds shard, gradient shard, Adam state: " + describe(m));
+      };
+      auto z1 = measure(accel::ZeRO<1>{.bucket_cap_mb = 0.0002, .cpu_offload = true}, P);
+      require(z1.parameters == 4 * P && z1.gradients == 4 * P, "ZeRO-1 device: " + describe(z1));
+      host_side(z1, "ZeRO-1");
+      auto z2 = measure(accel::ZeRO<2>{.bucket_cap_mb = 0.0002, .cpu_offload = true}, P);
+      require(z2.parameters == 4 * P && z2.gradients == 4 * P / world, "ZeRO-2 device: " + describe(z2));
+      host_side(z2, "ZeRO-2");
+      auto z3 = measure(accel::ZeRO<3>{.cpu_offload = true}, P);
+      require(z3.parameters == 4 * P / world && z3.gradients == 4 * P / world, "ZeRO-3 device: " + describe(z3));
+      host_side(z3, "ZeRO-3");
+      auto plain = measure(accel::ZeRO<3>{}, P);
+      require(plain.offloaded_total() == 0 && plain.optimizer_state == 8 * P / world, "no offload: " + describe(plain));
+    }, bounded(120s));
+  }
+
+  TEST_CASE("HybridShard (FSDP HYBRID_SHARD): 4 ranks in 2 shard groups of 2 equal one process, with and without "
+            "cpu_offload; each rank holds half the model") {
     accel::spawn(
         4,
         [](int rank) {
           const int steps = 4;
           const std::int64_t b = 3;
           auto single = reference(steps, b * 4);
-          accel::Trainer<accel::HybridShard> trainer(
-              accel::HybridShard{.zero = {.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60},
-                                 .shard_group_size = 2});
-          auto net = odd_mlp();
-          torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
-          trainer.prepare(net, opt);
-          for (int step = 0; step < steps; ++step) {
-            auto batch = odd_batch(step, b * 4);
-            trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
+          for (bool offload : {false, true}) {
+            accel::Trainer<accel::HybridShard> trainer(
+                accel::HybridShard{.zero = {.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP,
+                                            .min_num_params = 60,
+                                            .cpu_offload = offload},
+                                   .shard_group_size = 2});
+            auto net = odd_mlp();
+            torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+            trainer.prepare(net, opt);
+            for (int step = 0; step < steps; ++step) {
+              auto batch = odd_batch(step, b * 4);
+              trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
+            }
+            std::int64_t P = 0;
+            for (auto n : trainer.strategy_engine().bucket_numels()) P += (n + 1) / 2 * 2;
+            const auto bytes = trainer.model_state_bytes();
+            const auto state = offload ? bytes.offloaded_optimizer_state : bytes.optimizer_state;
+            require(bytes.parameters == 4 * P / 2 && state == 8 * P / 2, "sharded over the group of 2");
+            trainer.unwrap_model();
+            const double diff = max_param_diff(*net, *single);
+            require(diff < 1e-5, std::string("HybridShard vs one process") + (offload ? " (offloaded): " : ": ") +
+                                     std::to_string(diff));
           }
-          std::int64_t P = 0;
-          for (auto n : trainer.strategy_engine().bucket_numels()) P += (n + 1) / 2 * 2;
-          const auto bytes = trainer.model_state_bytes();
-          require(bytes.parameters == 4 * P / 2 && bytes.optimizer_state == 8 * P / 2, "sharded over the group of 2");
-          trainer.unwrap_model();
-          const double diff = max_param_diff(*net, *single);
-          require(diff < 1e-5, "HybridShard vs one process: " + std::to_string(diff));
         },
         bounded(120s));
   }

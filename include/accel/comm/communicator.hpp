@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -96,7 +97,9 @@ class Communicator {
   /// A process group of `ranks` (indices in this group, ascending; this rank
   /// among them), connected over the same store under `name`, which must be
   /// the same on every member and unique per group. Every member calls it;
-  /// non-members do not. The sub-group inherits the timeout.
+  /// non-members do not. The sub-group inherits the timeout. Calling it
+  /// again with the same name (a second trainer in the program) makes a new
+  /// group: the n-th call on every member connects under the n-th prefix.
   Communicator subgroup(const std::string& name, const std::vector<int>& ranks) const {
     auto it = std::find(ranks.begin(), ranks.end(), rank_);
     if (it == ranks.end())
@@ -110,7 +113,8 @@ class Communicator {
       auto group = std::make_shared<Group>(*group_);
       group->world.rank = sub.rank_;
       group->world.world_size = sub.size_;
-      group->backend = make_backend(kind_, c10::make_intrusive<c10d::PrefixStore>("accel/group/" + name, group_->store),
+      const std::string prefix = "accel/group/" + name + "/" + std::to_string(next_generation(name, group_->world));
+      group->backend = make_backend(kind_, c10::make_intrusive<c10d::PrefixStore>(prefix, group_->store),
                                     sub.rank_, sub.size_, group_->world.master_addr, timeout_);
       sub.group_ = std::move(group);
     }
@@ -143,11 +147,16 @@ class Communicator {
     return {backend().allreduce(tensors, options), std::move(what), rank_};
   }
 
-  void all_reduce(at::Tensor& tensor, const std::string& what) { all_reduce_async(tensor, what).wait(); }
+  void all_reduce(at::Tensor& tensor, const std::string& what) {
+    if (!distributed()) return;
+    if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { all_reduce(t, what); });
+    all_reduce_async(tensor, what).wait();
+  }
 
   /// Element-wise maximum across ranks, in place.
   void all_reduce_max(at::Tensor& tensor, const std::string& what) {
     if (!distributed()) return;
+    if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { all_reduce_max(t, what); });
     ++issued_;
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
@@ -158,6 +167,7 @@ class Communicator {
 
   void broadcast(at::Tensor& tensor, int root, const std::string& what) {
     if (!distributed()) return;
+    if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { broadcast(t, root, what); });
     ++issued_;
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions options;
@@ -169,6 +179,11 @@ class Communicator {
   /// Every rank's tensor (all the same shape), in rank order.
   std::vector<at::Tensor> all_gather(const at::Tensor& tensor, const std::string& what) {
     if (!distributed()) return {tensor};
+    if (staged(tensor)) {
+      auto parts = all_gather(tensor.to(at::Device(at::kCUDA)), what);
+      for (auto& part : parts) part = part.to(at::kCPU);
+      return parts;
+    }
     ++issued_;
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(tensor));
@@ -250,6 +265,26 @@ class Communicator {
   }
 
  private:
+  // NCCL moves device memory only. The blocking helpers above also take
+  // host tensors (a gradient norm, an overflow flag, a checkpoint verdict):
+  // under NCCL those travel through the current GPU and back.
+  bool staged(const at::Tensor& tensor) const { return kind_ == BackendKind::nccl && tensor.is_cpu(); }
+  template <class Collective>
+  static void through_device(at::Tensor& tensor, Collective&& collective) {
+    at::Tensor on_device = tensor.to(at::Device(at::kCUDA));
+    collective(on_device);
+    tensor.copy_(on_device);
+  }
+
+  // How many sub-groups of this name this process has made in this job: the
+  // store keys of an earlier group must not be read by a later one.
+  static int next_generation(const std::string& name, const WorldInfo& world) {
+    static std::mutex mutex;
+    static std::map<std::string, int> made;
+    std::lock_guard<std::mutex> lock(mutex);
+    return made[world.master_addr + ":" + std::to_string(world.master_port) + "/" + name]++;
+  }
+
   struct Group {
     WorldInfo world;
     BackendKind kind;

@@ -72,6 +72,10 @@ struct ZeRO {
   AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::NO_WRAP;  ///< stage 3
   std::int64_t min_num_params = 100'000'000;                   ///< stage 3, SIZE_BASED_WRAP
   std::vector<std::string> transformer_layer_cls_to_wrap{};    ///< stage 3, e.g. {"BlockImpl"}
+  /// The optimizer steps host-memory twins of this rank's shards, so its
+  /// state never occupies the device (NOTE [CPU offload]); Accelerate's
+  /// fsdp_offload_params, DeepSpeed's offload_optimizer_device: cpu.
+  bool cpu_offload = false;
 
   static constexpr int stage = Stage;
   template <class Precision, class Device>

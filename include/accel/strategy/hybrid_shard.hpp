@@ -70,21 +70,25 @@ class HybridShardEngine {
 
   /// The shard group's reduce-scatter, then the average over the replicas.
   void synchronize_gradients() {
-    inner_.synchronize_gradients();
+    inner_.reduce_gradients();
     auto& replicas = groups_.second;
-    if (!replicas.distributed()) return;
-    std::vector<comm::Pending> pending;
-    for (const auto& shard : inner_.optimizer_parameters()) {
-      at::Tensor grad = shard.grad();
-      grad.div_(replicas.size());
-      pending.push_back(replicas.all_reduce_async(grad, "all-reduce of HybridShard gradient shards across replicas"));
+    if (replicas.distributed()) {
+      std::vector<comm::Pending> pending;
+      for (at::Tensor grad : inner_.device_gradient_shards()) {
+        grad.div_(replicas.size());
+        pending.push_back(replicas.all_reduce_async(grad, "all-reduce of HybridShard gradient shards across replicas"));
+      }
+      for (auto& p : pending) p.wait();
     }
-    for (auto& p : pending) p.wait();
+    inner_.offload_gradients();  // the averaged shards, under cpu_offload
   }
   void after_optimizer_step() { inner_.after_optimizer_step(); }
   void set_gradient_sync(bool sync) { inner_.set_gradient_sync(sync); }
   void zero_grad(torch::optim::Optimizer& optimizer) { inner_.zero_grad(optimizer); }
   const std::vector<at::Tensor>& optimizer_parameters() const { return inner_.optimizer_parameters(); }
+  const std::vector<at::Tensor>& offloaded_parameters() const { return inner_.offloaded_parameters(); }
+  const std::vector<at::Tensor>& device_shards() const { return inner_.device_shards(); }
+  void parameters_loaded() { inner_.parameters_loaded(); }
   std::vector<std::int64_t> bucket_numels() const { return inner_.bucket_numels(); }
   int shard_count() const { return groups_.first.size(); }
   int shard_rank() const { return groups_.first.rank(); }

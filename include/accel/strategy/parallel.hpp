@@ -77,6 +77,21 @@ class ParallelEngine {
   void set_gradient_sync(bool sync) { data_.set_gradient_sync(sync); }
   void zero_grad(torch::optim::Optimizer& optimizer) { data_.zero_grad(optimizer); }
   const std::vector<at::Tensor>& optimizer_parameters() const { return data_.optimizer_parameters(); }
+  const std::vector<at::Tensor>& offloaded_parameters() const
+    requires requires(const data_engine_type& d) { d.offloaded_parameters(); }
+  {
+    return data_.offloaded_parameters();
+  }
+  const std::vector<at::Tensor>& device_shards() const
+    requires requires(const data_engine_type& d) { d.device_shards(); }
+  {
+    return data_.device_shards();
+  }
+  void parameters_loaded()
+    requires requires(data_engine_type& d) { d.parameters_loaded(); }
+  {
+    data_.parameters_loaded();
+  }
 
   /// One pipelined step's forwards and backwards (NOTE [Pipeline schedules]);
   /// the data-parallel reduction is launched at its end. Returns the loss.

@@ -34,6 +34,7 @@
 #include "accel/comm/communicator.hpp"
 #include "accel/core/policies.hpp"
 #include "accel/strategy/buckets.hpp"
+#include "accel/strategy/offload.hpp"
 
 namespace accel::strategy {
 
@@ -49,7 +50,8 @@ class ZeROEngine : public BucketedEngineBase {
       : BucketedEngineBase(BucketSettings{settings.bucket_cap_mb, settings.first_bucket_cap_mb,
                                           settings.find_unused_parameters, false, comm.size(),
                                           Stage == 1 ? "ZeRO<1>" : "ZeRO<2>"},
-                           comm) {
+                           comm),
+        offload_(settings.cpu_offload) {
     state_->launch = [this](std::size_t b) { launch(b); };
   }
 
@@ -77,9 +79,11 @@ class ZeROEngine : public BucketedEngineBase {
       shards_.push_back(mine);
       if constexpr (Stage == 2) grad_shards_.push_back(at::zeros({shard}, flat.options()));
     }
+    if (offload_.enabled()) offload_.attach(shards_);
+    const auto& stepped = optimizer_parameters();
     for (auto& group : groups) group.params().clear();
     for (std::size_t b = 0; b < s.buckets.size(); ++b)
-      if (s.buckets[b].group >= 0) groups[s.buckets[b].group].params().push_back(shards_[b]);
+      if (s.buckets[b].group >= 0) groups[s.buckets[b].group].params().push_back(stepped[b]);
     allocate_gradients();
     attach_shard_gradients();
     work_.resize(s.buckets.size());
@@ -97,12 +101,14 @@ class ZeROEngine : public BucketedEngineBase {
     wait_for_buckets(work_, [&](std::size_t b) {
       if constexpr (Stage == 2) finish_reduce_scatter(grad_shards_[b], received_[b]);
     });
+    if (offload_.enabled()) offload_.gradients_to_host(device_gradient_shards());
     if constexpr (Stage == 2) release_full_gradients();
   }
 
   /// The updated shards, all-gathered back into every rank's full parameters.
   void after_optimizer_step() {
     auto& s = *state_;
+    if (offload_.enabled()) offload_.parameters_to_device(shards_);
     if (!s.comm->distributed()) return;
     std::vector<comm::Pending> gathers;
     std::vector<at::Tensor> inputs;
@@ -118,6 +124,7 @@ class ZeROEngine : public BucketedEngineBase {
   }
 
   void zero_grad(torch::optim::Optimizer&) {
+    if (offload_.enabled()) offload_.zero_grad();
     if constexpr (Stage == 1) {
       for (auto& bucket : state_->buckets) bucket.grad.zero_();
       state_->attach_grad_views();
@@ -130,8 +137,20 @@ class ZeROEngine : public BucketedEngineBase {
     }
   }
 
-  /// The tensors the optimizer steps: this rank's shard of each bucket.
-  const std::vector<at::Tensor>& optimizer_parameters() const { return shards_; }
+  /// The tensors the optimizer steps: this rank's shard of each bucket (or
+  /// their host twins under cpu_offload).
+  const std::vector<at::Tensor>& optimizer_parameters() const {
+    return offload_.enabled() ? offload_.parameters() : shards_;
+  }
+  /// Host-memory tensors the optimizer steps instead of device shards (empty without cpu_offload).
+  const std::vector<at::Tensor>& offloaded_parameters() const { return offload_.parameters(); }
+  /// This rank's parameter shards in device memory (the optimizer's own
+  /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
+  const std::vector<at::Tensor>& device_shards() const { return shards_; }
+  /// A checkpoint was loaded into the model: the host twins take it over.
+  void parameters_loaded() {
+    if (offload_.enabled()) offload_.parameters_from_device(shards_);
+  }
 
   /// How many shards the state is cut into, and which one this rank holds.
   int shard_count() const { return state_->comm->size(); }
@@ -148,6 +167,12 @@ class ZeROEngine : public BucketedEngineBase {
   void require_optimizer_prepared() const {
     if (shards_.empty())
       throw std::logic_error("accel ZeRO: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
+  }
+
+  std::vector<at::Tensor> device_gradient_shards() const {
+    std::vector<at::Tensor> out;
+    for (const auto& shard : shards_) out.push_back(shard.grad());
+    return out;
   }
 
   void attach_shard_gradients() {
@@ -177,6 +202,7 @@ class ZeROEngine : public BucketedEngineBase {
   std::vector<at::Tensor> grad_shards_;  // stage 2, per bucket: (shard,) the reduced gradient shard
   std::vector<at::Tensor> received_;     // stage 2 on Gloo: (padded,) chunks from every rank, until summed
   std::vector<comm::Pending> work_;
+  HostOffload offload_;
 };
 
 }  // namespace accel::strategy

@@ -20,9 +20,15 @@
 //             reduce-scatter is launched.
 // The optimizer steps each rank's shard, a tensor of its own; nothing is
 // gathered after the step (the next forward gathers the updated shards).
+//
+// Devices: a buffer's memory is freed and re-allocated through the allocator
+// that made it (the CPU one, or CUDA's caching allocator, which keeps the
+// blocks for reuse on the same stream). On CUDA the backward runs on
+// autograd's device thread, so the observer answers every thread for device
+// tensors; for host tensors only the thread that prepared the model, since
+// Gloo's worker threads also touch the buffers (copying gathered chunks).
 
 #include <ATen/core/Tensor.h>
-#include <ATen/native/Resize.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
@@ -37,20 +43,50 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "accel/comm/communicator.hpp"
 #include "accel/core/policies.hpp"
 #include "accel/strategy/buckets.hpp"
+#include "accel/strategy/offload.hpp"
 #include "accel/strategy/zero.hpp"
 
 namespace accel::strategy {
 
 namespace detail {
+
+// Frees (nbytes 0) or re-allocates a buffer's memory through the allocator it
+// came from; the tensors viewing it keep their shapes. New memory is not
+// initialised: it is always overwritten by an all-gather.
+inline void set_storage_bytes(c10::StorageImpl* storage, std::size_t nbytes) {
+  if (nbytes == 0) {
+    storage->set_data_ptr_noswap(c10::DataPtr(nullptr, storage->device()));
+  } else {
+    if (storage->allocator() == nullptr)
+      throw std::logic_error("accel ZeRO<3>: a parameter buffer without an allocator cannot be re-allocated");
+    storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  }
+  storage->set_nbytes(nbytes);
+}
+
+// Set while accel runs its own operators on the buffers (gathers, frees),
+// which the observer must not act on. Per thread: another thread's operators
+// are not ours.
+inline thread_local bool zero3_busy = false;
+
+struct BusyScope {
+  bool previous = zero3_busy;
+  BusyScope() { zero3_busy = true; }
+  ~BusyScope() { zero3_busy = previous; }
+  BusyScope(const BusyScope&) = delete;
+  BusyScope& operator=(const BusyScope&) = delete;
+};
 
 struct ShardedUnit {
   std::string name;
@@ -63,6 +99,7 @@ struct ShardedUnit {
 class ZeRO3State {
  public:
   comm::Communicator* comm = nullptr;
+  std::thread::id owner;           // the thread that prepared the model (see NOTE above)
   std::vector<at::Tensor> flat;    // per bucket: (padded,) full parameters, storage freed between uses
   std::vector<at::Tensor> shards;  // per bucket: (shard,) this rank's parameters, own storage
   std::vector<std::size_t> unit_of_bucket;
@@ -71,7 +108,7 @@ class ZeRO3State {
   std::vector<std::size_t> forward_order, last_forward_order;
   std::size_t root = 0;            // the unit of parameters no wrapped submodule took
   bool backward = false;
-  bool busy = false;               // re-entrancy guard: our own collectives run operators too
+  bool held = false;               // every unit gathered for a checkpoint: no freeing until released
   std::size_t current = SIZE_MAX;  // the unit the forward is in
 
   std::size_t bytes(std::size_t b) const { return static_cast<std::size_t>(flat[b].numel() * flat[b].element_size()); }
@@ -80,8 +117,7 @@ class ZeRO3State {
     auto& unit = units[u];
     if (unit.gathered || !unit.gathering.empty()) return;
     for (auto b : unit.buckets) {
-      auto* storage = flat[b].storage().unsafeGetStorageImpl();
-      at::native::resize_bytes_cpu(storage, bytes(b));
+      set_storage_bytes(flat[b].storage().unsafeGetStorageImpl(), bytes(b));
       // A separate tensor on the same storage: writing through it leaves
       // the parameters' version counters (checked by autograd) untouched.
       auto target = at::empty({0}, flat[b].options()).set_(flat[b].storage(), 0, {flat[b].numel()}, {1});
@@ -90,11 +126,15 @@ class ZeRO3State {
         continue;
       }
       const std::int64_t shard = shards[b].numel();
+      auto input = shards[b].detach();
+      const std::string what = "all-gather of ZeRO-3 unit '" + unit.name + "'";
+      if (comm->backend_kind() == comm::BackendKind::nccl) {  // native flat all-gather
+        unit.gathering.push_back(comm->all_gather_base_async(target, input, what));
+        continue;
+      }
       std::vector<at::Tensor> chunks;
       for (int r = 0; r < comm->size(); ++r) chunks.push_back(target.narrow(0, r * shard, shard));
-      auto input = shards[b].detach();
-      unit.gathering.push_back(
-          comm->all_gather_into_async(chunks, input, "all-gather of ZeRO-3 unit '" + unit.name + "'"));
+      unit.gathering.push_back(comm->all_gather_into_async(chunks, input, what));
     }
   }
 
@@ -114,7 +154,7 @@ class ZeRO3State {
     auto& unit = units[u];
     if (!unit.gathering.empty()) finish_gather(u);
     if (!unit.gathered) return;
-    for (auto b : unit.buckets) at::native::resize_bytes_cpu(flat[b].storage().unsafeGetStorageImpl(), 0);
+    for (auto b : unit.buckets) set_storage_bytes(flat[b].storage().unsafeGetStorageImpl(), 0);
     unit.gathered = false;
   }
 
@@ -125,6 +165,7 @@ class ZeRO3State {
 
   // Called by the observer before an operator that reads unit `u`.
   void on_use(std::size_t u) {
+    if (held) return;
     if (!backward && u != current) {
       if (current != SIZE_MAX && current != root) release(current);
       current = u;
@@ -139,26 +180,39 @@ class ZeRO3State {
   }
 };
 
-// The observer is a plain function; it finds the engine through this
-// pointer, set on the thread that prepared the model (the training thread;
-// on CPU backward runs on it too). Other threads (Gloo's) see nullptr.
-inline thread_local ZeRO3State* active_zero3 = nullptr;
+// The observer is a plain function; it finds the engines through this
+// registry of every prepared ZeRO-3 model in the process.
+struct ZeRO3Registry {
+  std::mutex mutex;
+  std::vector<ZeRO3State*> states;
+};
+inline ZeRO3Registry& zero3_registry() {
+  static ZeRO3Registry registry;
+  return registry;
+}
 
 inline std::unique_ptr<at::ObserverContext> zero3_observe(const at::RecordFunction& fn) {
-  ZeRO3State* state = active_zero3;
-  if (state == nullptr || state->busy) return nullptr;
+  if (zero3_busy) return nullptr;
+  auto& registry = zero3_registry();
   auto visit = [&](const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) return;
-    auto it = state->unit_of_storage.find(t.storage().unsafeGetStorageImpl());
-    if (it == state->unit_of_storage.end()) return;
-    state->busy = true;
-    try {
-      state->on_use(it->second);
-    } catch (...) {
-      state->busy = false;
-      throw;
+    const auto* storage = t.storage().unsafeGetStorageImpl();
+    ZeRO3State* state = nullptr;
+    std::size_t unit = 0;
+    {
+      std::lock_guard<std::mutex> lock(registry.mutex);
+      for (auto* candidate : registry.states) {
+        auto it = candidate->unit_of_storage.find(storage);
+        if (it == candidate->unit_of_storage.end()) continue;
+        state = candidate;
+        unit = it->second;
+        break;
+      }
     }
-    state->busy = false;
+    if (state == nullptr) return;
+    if (t.is_cpu() && std::this_thread::get_id() != state->owner) return;
+    BusyScope busy;
+    state->on_use(unit);
   };
   for (const auto& input : fn.inputs()) {
     if (input.isTensor()) visit(input.toTensor());
@@ -225,10 +279,11 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
       : BucketedEngineBase(BucketSettings{1e12, 1e12, settings.find_unused_parameters, false, comm.size(), "ZeRO<3>"},
                            comm),
         settings_(settings),
-        z3_(std::make_shared<detail::ZeRO3State>()) {
+        z3_(std::make_shared<detail::ZeRO3State>()),
+        offload_(settings.cpu_offload) {
 #ifndef NDEBUG
-    // LibTorch release builds lay out RecordFunction without its debug-only
-    // member; observing operators from a debug build would misread it.
+    // LibTorch is built with NDEBUG; a debug build's RecordFunction::inputs()
+    // asserts on a member that LibTorch never sets (a padding byte there).
     throw std::logic_error("accel ZeRO<3>: build with -DNDEBUG (meson's release/debugoptimized with b_ndebug), "
                            "as LibTorch itself is built");
 #endif
@@ -261,8 +316,6 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
 
   void prepare_model(torch::nn::Module& model) {
     if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
-    if (!model.parameters().front().is_cpu())
-      throw std::logic_error("accel ZeRO<3>: only CPU tensors are supported so far; use ZeRO<2> on CUDA");
     collect(model);
     model_ = &model;
   }
@@ -302,16 +355,22 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
       z.units[u].buckets.push_back(b);
       z.unit_of_storage[flat.storage().unsafeGetStorageImpl()] = u;
     }
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
+    if (offload_.enabled()) offload_.attach(z.shards);
+    const auto& stepped = optimizer_parameters();
     for (auto& group : groups) group.params().clear();
-    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      z.shards[b].mutable_grad() = grad_shards_[b];
-      if (s.buckets[b].group >= 0) groups[s.buckets[b].group].params().push_back(z.shards[b]);
-    }
+    for (std::size_t b = 0; b < s.buckets.size(); ++b)
+      if (s.buckets[b].group >= 0) groups[s.buckets[b].group].params().push_back(stepped[b]);
     z.release_all();
     work_.resize(s.buckets.size());
     received_.resize(s.buckets.size());
     register_hooks();
-    detail::active_zero3 = z3_.get();
+    z.owner = std::this_thread::get_id();
+    {
+      auto& registry = detail::zero3_registry();
+      std::lock_guard<std::mutex> lock(registry.mutex);
+      registry.states.push_back(z3_.get());
+    }
     observer_ = at::addGlobalCallback(at::RecordFunctionCallback(&detail::zero3_observe).needsInputs(true));
   }
 
@@ -338,19 +397,44 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   }
 
   void synchronize_gradients() {
+    reduce_gradients();
+    offload_gradients();
+  }
+  /// The reduce-scatter alone (HybridShard averages the shards across
+  /// replicas before they are offloaded).
+  void reduce_gradients() {
     wait_for_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(grad_shards_[b], received_[b]); });
     release_full_gradients();
     z3_->backward = false;
     z3_->release_all();
   }
+  void offload_gradients() {
+    if (offload_.enabled()) offload_.gradients_to_host(grad_shards_);
+  }
+  /// This rank's reduced gradient shards, in device memory.
+  const std::vector<at::Tensor>& device_gradient_shards() const { return grad_shards_; }
 
-  void after_optimizer_step() {}
+  void after_optimizer_step() {
+    if (offload_.enabled()) offload_.parameters_to_device(z3_->shards);
+  }
 
   void zero_grad(torch::optim::Optimizer&) {
     for (auto& g : grad_shards_) g.zero_();
+    if (offload_.enabled()) offload_.zero_grad();
   }
 
-  const std::vector<at::Tensor>& optimizer_parameters() const { return z3_->shards; }
+  /// The tensors the optimizer steps: this rank's shards, or their host
+  /// twins under cpu_offload (NOTE [CPU offload]).
+  const std::vector<at::Tensor>& optimizer_parameters() const {
+    return offload_.enabled() ? offload_.parameters() : z3_->shards;
+  }
+  const std::vector<at::Tensor>& offloaded_parameters() const { return offload_.parameters(); }
+  /// This rank's parameter shards in device memory (the optimizer's own
+  /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
+  const std::vector<at::Tensor>& device_shards() const { return z3_->shards; }
+  void parameters_loaded() {
+    if (offload_.enabled()) offload_.parameters_from_device(z3_->shards);
+  }
 
   /// How many shards the state is cut into, and which one this rank holds.
   int shard_count() const { return state_->comm->size(); }
@@ -365,12 +449,14 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   /// Checkpoints: every unit gathered (all ranks call it), then released;
   /// after a load, each rank's shards are taken from the loaded parameters.
   void gather_full_parameters() {
-    z3_->busy = true;
+    detail::BusyScope busy;
     for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->gather(u);
-    z3_->busy = false;
+    z3_->held = true;
   }
   void release_full_parameters(bool loaded) {
     auto& z = *z3_;
+    detail::BusyScope busy;
+    z.held = false;
     if (loaded) {
       c10::NoGradGuard no_grad;
       for (std::size_t b = 0; b < z.shards.size(); ++b) {
@@ -410,7 +496,9 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   void stop_observing() {
     if (observer_) at::removeCallback(*observer_);
     observer_.reset();
-    if (detail::active_zero3 == z3_.get()) detail::active_zero3 = nullptr;
+    auto& registry = detail::zero3_registry();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    std::erase(registry.states, z3_.get());
   }
 
   void launch(std::size_t b) {
@@ -422,9 +510,8 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     // The unit's gradients are complete: its backward is over, free its parameters.
     auto& unit = z3_->units[z3_->unit_of_bucket[b]];
     if (++unit.launched == unit.buckets.size()) {
-      z3_->busy = true;
+      detail::BusyScope busy;
       z3_->release(z3_->unit_of_bucket[b]);
-      z3_->busy = false;
     }
   }
 
@@ -436,6 +523,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   std::vector<at::Tensor> grad_shards_;
   std::vector<at::Tensor> received_;
   std::vector<comm::Pending> work_;
+  HostOffload offload_;
 };
 
 }  // namespace accel::strategy
