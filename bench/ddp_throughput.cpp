@@ -19,6 +19,8 @@
 //   --tag NAME               label on the RESULT line (default accel_<strategy>)
 //   --strategy ddp|zero1|zero2|zero3   Trainer<DDP> (default), Trainer<ZeRO<1|2|3>> (zero3: size-based units, --min_num_params)
 //   --optimizer sgd|adam     SGD(lr=0.01) (default) or Adam(lr=1e-3)
+//   --cpu_offload 1          ZeRO strategies: the optimizer steps host twins (NOTE [CPU offload]);
+//                            on a CPU device this measures the offload path's copies alone
 //
 // Rank 0 prints one machine-readable line:
 //   RESULT tag=NAME world=W global_samples_per_s=X steps_per_s=Y step_ms=Z
@@ -120,6 +122,7 @@ int run(int argc, char** argv, const std::string& strategy_name) {
     const std::string hook = flag(argc, argv, "comm_hook", "none");
     settings.comm_hook = hook == "fp16" ? accel::CommHook::fp16 : hook == "bf16" ? accel::CommHook::bf16 : accel::CommHook::none;
   }
+  if constexpr (requires { settings.cpu_offload; }) settings.cpu_offload = flag(argc, argv, "cpu_offload", "0") == "1";
   if constexpr (std::is_same_v<Strategy, accel::ZeRO<3>>) {
     // One unit per large layer (each 1024x1024 Linear), as FSDP's size-based wrap would.
     settings.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP;
@@ -227,10 +230,11 @@ int run(int argc, char** argv, const std::string& strategy_name) {
               "wall %.1f\n",
               trainer.process_index(), process_cpu, main_cpu, process_cpu - main_cpu, 1e3 * mine / steps);
   const auto state = trainer.model_state_bytes();
-  std::printf("[process %d] model state bytes: parameters %lld gradients %lld optimizer_state %lld total %lld\n",
+  std::printf("[process %d] model state bytes: parameters %lld gradients %lld optimizer_state %lld total %lld; "
+              "offloaded to host %lld\n",
               trainer.process_index(), static_cast<long long>(state.parameters),
               static_cast<long long>(state.gradients), static_cast<long long>(state.optimizer_state),
-              static_cast<long long>(state.total()));
+              static_cast<long long>(state.total()), static_cast<long long>(state.offloaded_total()));
   std::fflush(stdout);
   trainer.wait_for_everyone();
   if (trainer.is_main_process())
