@@ -177,18 +177,60 @@ void check_launcher_sharding() {
                              ": use accel::FSDP<accel::ShardingStrategy::" + name + "> or change the config");
 }
 
-// `accel launch` with fsdp_offload_params: true exports FSDP_OFFLOAD_PARAMS,
-// which turns on the strategy's cpu_offload (as Accelerate's FSDP plugin
-// reads it); a strategy that cannot offload refuses it.
+// `accel launch` with an fsdp_config exports Accelerate's FSDP_* variables;
+// as Accelerate's FSDP plugin does, they set the strategy's fields:
+//   FSDP_OFFLOAD_PARAMS            true/false  -> cpu_offload (any ZeRO stage, HybridShard)
+//   FSDP_AUTO_WRAP_POLICY          NO_WRAP | SIZE_BASED_WRAP | TRANSFORMER_BASED_WRAP   (ZeRO-3 units)
+//   FSDP_MIN_NUM_PARAMS            an integer                                           (SIZE_BASED_WRAP)
+//   FSDP_TRANSFORMER_CLS_TO_WRAP   class names, comma-separated                         (TRANSFORMER_BASED_WRAP)
+// A value that cannot be read, or offload for a strategy that shards no
+// optimizer state, is a ConfigurationError naming the variable.
+inline bool launcher_flag(const char* name) {
+  auto value = comm::process_environment(name);
+  if (!value) return false;
+  std::string v = *value;
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "true" || v == "1") return true;
+  if (v == "false" || v == "0" || v.empty()) return false;
+  throw ConfigurationError(std::string("accel: ") + name + "='" + *value + "' is not true or false");
+}
+
+inline void apply_launcher_wrap_policy(ZeRO<3>& zero) {
+  if (auto policy = comm::process_environment("FSDP_AUTO_WRAP_POLICY")) {
+    if (*policy == "NO_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::NO_WRAP;
+    else if (*policy == "SIZE_BASED_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP;
+    else if (*policy == "TRANSFORMER_BASED_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
+    else
+      throw ConfigurationError("accel: FSDP_AUTO_WRAP_POLICY='" + *policy +
+                               "' is not NO_WRAP, SIZE_BASED_WRAP or TRANSFORMER_BASED_WRAP");
+  }
+  if (auto count = comm::process_environment("FSDP_MIN_NUM_PARAMS")) {
+    std::size_t used = 0;
+    long long n = -1;
+    try {
+      n = std::stoll(*count, &used);
+    } catch (const std::exception&) {
+    }
+    if (n < 0 || used != count->size())
+      throw ConfigurationError("accel: FSDP_MIN_NUM_PARAMS='" + *count + "' is not a non-negative integer");
+    zero.min_num_params = n;
+  }
+  if (auto classes = comm::process_environment("FSDP_TRANSFORMER_CLS_TO_WRAP")) {
+    zero.transformer_layer_cls_to_wrap.clear();
+    std::stringstream list(*classes);
+    for (std::string name; std::getline(list, name, ',');) {
+      name.erase(0, name.find_first_not_of(" \t"));
+      name.erase(name.find_last_not_of(" \t") + 1);
+      if (!name.empty()) zero.transformer_layer_cls_to_wrap.push_back(name);
+    }
+  }
+}
+
 template <class Strategy>
-Strategy with_launcher_offload(Strategy strategy) {
-  auto requested = comm::process_environment("FSDP_OFFLOAD_PARAMS");
-  if (!requested) return strategy;
-  std::string value = *requested;
-  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (value == "false" || value == "0" || value.empty()) return strategy;
-  if (value != "true" && value != "1")
-    throw ConfigurationError("accel: FSDP_OFFLOAD_PARAMS='" + *requested + "' is not true or false");
+Strategy with_launcher_fsdp_settings(Strategy strategy) {
+  if constexpr (std::is_same_v<Strategy, ZeRO<3>>) apply_launcher_wrap_policy(strategy);
+  if constexpr (requires { strategy.zero; }) apply_launcher_wrap_policy(strategy.zero);
+  if (!launcher_flag("FSDP_OFFLOAD_PARAMS")) return strategy;
   if constexpr (requires { strategy.cpu_offload; }) strategy.cpu_offload = true;
   else if constexpr (requires { strategy.zero.cpu_offload; }) strategy.zero.cpu_offload = true;
   else
@@ -208,7 +250,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   using engine_type = typename Strategy::template engine<Precision, Device>;
 
   explicit Trainer(Strategy strategy = {}, Precision precision = {}, Device device = {}, TrainerOptions options = {})
-      : strategy_(detail::with_launcher_offload(strategy)),
+      : strategy_(detail::with_launcher_fsdp_settings(strategy)),
         precision_(precision),
         options_(options),
         world_(comm::world_from_environment()),

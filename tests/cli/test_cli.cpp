@@ -434,6 +434,21 @@ TEST_CASE("launch: config file values, flag overrides, nested sections") {
     CHECK(r.status == 0);
     CHECK(r.out == "[rank 0] true FULL_SHARD false 100000\n");
   }
+  SUBCASE("--fsdp_* flags set the same variables and override the config file") {
+    const std::string fsdp = dir.file("fsdp.json");
+    write_file(fsdp, R"({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": false}})");
+    auto r = launch_sh({"--config_file", fsdp, "--use_fsdp", "--fsdp_offload_params", "true", "--fsdp_auto_wrap_policy",
+                        "SIZE_BASED_WRAP", "--fsdp_min_num_params", "1000", "-q"},
+                       "echo \"$ACCELERATE_USE_FSDP $FSDP_OFFLOAD_PARAMS $FSDP_AUTO_WRAP_POLICY $FSDP_MIN_NUM_PARAMS\"",
+                       dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(r.out == "[rank 0] true true SIZE_BASED_WRAP 1000\n");
+    auto bad = launch_sh({"--fsdp_auto_wrap_policy", "BY_SIZE"}, "echo SHOULD-NOT-RUN", dir);
+    INFO(bad);
+    CHECK(bad.status == 2);
+    CHECK(contains(bad.err, "--fsdp_auto_wrap_policy must be one of TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP"));
+  }
 }
 
 TEST_CASE("launch: bad config files are rejected, naming the key and the file") {

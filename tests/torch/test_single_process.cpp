@@ -121,6 +121,34 @@ TEST_SUITE("single_process") {
     ::unsetenv("FSDP_OFFLOAD_PARAMS");
   }
 
+  TEST_CASE("a launcher's fsdp_auto_wrap_policy, fsdp_min_num_params and fsdp_transformer_layer_cls_to_wrap set "
+            "ZeRO-3's units") {
+    auto units = [] {
+      accel::Trainer<accel::ZeRO<3>> trainer;
+      auto net = tiny_mlp(0, 8, 16, 4, 2);  // Linear 8x16 (144), 16x16 (272), 16x4 (68)
+      torch::optim::SGD opt(net->parameters(), 0.1);
+      trainer.prepare(net, opt);
+      std::vector<std::string> names;
+      for (std::size_t u = 0; u < trainer.strategy_engine().unit_count(); ++u)
+        names.push_back(trainer.strategy_engine().unit_name(u));
+      return names;
+    };
+    CHECK(units() == std::vector<std::string>{"(root)"});
+    ::setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", 1);
+    ::setenv("FSDP_MIN_NUM_PARAMS", "100", 1);
+    CHECK(units() == std::vector<std::string>{"0", "2", "(root)"});
+    ::setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP", 1);
+    ::setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LinearImpl, Nothing", 1);
+    CHECK(units() == std::vector<std::string>{"0", "2", "4", "(root)"});
+    ::setenv("FSDP_AUTO_WRAP_POLICY", "BY_MAGIC", 1);
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_AUTO_WRAP_POLICY='BY_MAGIC'"),
+                         accel::ConfigurationError);
+    ::setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", 1);
+    ::setenv("FSDP_MIN_NUM_PARAMS", "1e5", 1);
+    CHECK_THROWS_WITH(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_MIN_NUM_PARAMS='1e5'"));
+    for (auto* name : {"FSDP_AUTO_WRAP_POLICY", "FSDP_MIN_NUM_PARAMS", "FSDP_TRANSFORMER_CLS_TO_WRAP"}) ::unsetenv(name);
+  }
+
   TEST_CASE("a launcher asking for another precision than the compiled one is an error") {
     ::setenv("ACCELERATE_MIXED_PRECISION", "bf16", 1);
     CHECK_THROWS_WITH_AS(accel::Trainer<>{}, doctest::Contains("mixed_precision=bf16"), accel::ConfigurationError);

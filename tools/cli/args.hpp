@@ -87,6 +87,23 @@ auto switch_setter(Field field, std::string key) {
   };
 }
 
+// Accelerate's --fsdp_* flags: each sets the key of the same name in
+// fsdp_config (forwarded to the ranks as FSDP_* variables), checked against
+// the values Accelerate accepts.
+inline auto fsdp_setter(std::string key, std::vector<std::string> choices) {
+  return [key, choices](LaunchSettings& s, const std::string& flag, const std::string& value) {
+    if (!choices.empty() && std::find(choices.begin(), choices.end(), value) == choices.end()) {
+      std::string allowed;
+      for (const auto& c : choices) allowed += (allowed.empty() ? "" : ", ") + c;
+      throw UsageError(flag + " must be one of " + allowed + ", got '" + value + "'");
+    }
+    if (value == "true" || value == "false") s.fsdp_config[key] = value == "true";
+    else if (key == "fsdp_min_num_params") s.fsdp_config[key] = parse_int_flag(flag, value);
+    else s.fsdp_config[key] = value;
+    s.origin["fsdp_config." + key] = flag;
+  };
+}
+
 }  // namespace detail
 
 /// Every flag accel knows. `--config_file` and `--help` are handled by the
@@ -137,6 +154,26 @@ inline const std::vector<FlagSpec>& flag_table() {
        seconds_setter(&S::monitor_interval, "monitor_interval")},
       {"--timeout", "", "SECONDS", "Distributed", FlagScope::launch_only,
        "kill the whole job and fail after this long (default: no limit)", seconds_setter(&S::timeout, "timeout")},
+      {"--use_fsdp", "", "", "FSDP", FlagScope::config_key, "distributed_type FSDP (sets ACCELERATE_USE_FSDP=true)",
+       [](S& s, const std::string& flag, const std::string&) {
+         s.distributed_type = "FSDP";
+         s.origin["distributed_type"] = flag;
+       }},
+      {"--fsdp_sharding_strategy", "", "NAME", "FSDP", FlagScope::config_key,
+       "FULL_SHARD (ZeRO<3>), SHARD_GRAD_OP (ZeRO<2>), NO_SHARD (DDP) or HYBRID_SHARD; must match the program's "
+       "Trainer",
+       fsdp_setter("fsdp_sharding_strategy", {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})},
+      {"--fsdp_offload_params", "", "{true,false}", "FSDP", FlagScope::config_key,
+       "the optimizer steps host-memory copies of the shards (cpu_offload)",
+       fsdp_setter("fsdp_offload_params", {"true", "false"})},
+      {"--fsdp_auto_wrap_policy", "", "NAME", "FSDP", FlagScope::config_key,
+       "ZeRO-3 units: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP",
+       fsdp_setter("fsdp_auto_wrap_policy", {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"})},
+      {"--fsdp_min_num_params", "", "N", "FSDP", FlagScope::config_key, "SIZE_BASED_WRAP's minimum unit size",
+       fsdp_setter("fsdp_min_num_params", {})},
+      {"--fsdp_transformer_layer_cls_to_wrap", "", "LIST", "FSDP", FlagScope::config_key,
+       "TRANSFORMER_BASED_WRAP's module classes, comma-separated (e.g. BlockImpl)",
+       fsdp_setter("fsdp_transformer_layer_cls_to_wrap", {})},
       {"--config_file", "", "FILE", "General", FlagScope::general,
        "JSON config with Accelerate's keys (default $HF_HOME/accelerate/default_config.json, else "
        "~/.cache/huggingface/accelerate/default_config.json); flags override it",
