@@ -25,7 +25,7 @@
 // that made it (the CPU one, or CUDA's caching allocator, which keeps the
 // blocks for reuse on the same stream). On CUDA the backward runs on
 // autograd's device thread, so the observer answers every thread for device
-// tensors; for host tensors only the thread that prepared the model, since
+// tensors; for host tensors only the thread that runs the training step, since
 // Gloo's worker threads also touch the buffers (copying gathered chunks).
 
 #include <ATen/core/Tensor.h>
@@ -39,6 +39,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -99,7 +100,7 @@ struct ShardedUnit {
 class ZeRO3State {
  public:
   comm::Communicator* comm = nullptr;
-  std::thread::id owner;           // the thread that prepared the model (see NOTE above)
+  std::atomic<std::thread::id> owner{};  // the thread that trains (see NOTE above)
   std::vector<at::Tensor> flat;    // per bucket: (padded,) full parameters, storage freed between uses
   std::vector<at::Tensor> shards;  // per bucket: (shard,) this rank's parameters, own storage
   std::vector<std::size_t> unit_of_bucket;
@@ -376,6 +377,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
 
   void before_forward() {
     require_attached();
+    z3_->owner = std::this_thread::get_id();  // whichever thread trains now
     z3_->backward = false;
     z3_->forward_order.clear();
     z3_->current = SIZE_MAX;
@@ -387,6 +389,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
 
   void before_backward(const at::Tensor& loss) {
     require_attached();
+    z3_->owner = std::this_thread::get_id();
     if (z3_->shards.empty())
       throw std::logic_error("accel ZeRO<3>: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
     if (z3_->last_forward_order.empty()) z3_->last_forward_order = z3_->forward_order;
