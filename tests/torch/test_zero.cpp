@@ -50,6 +50,26 @@ torch::nn::Sequential reference(int steps, std::int64_t global, double clip = 0)
   return net;
 }
 
+// One Adam step of odd_mlp under `strategy` on `world` ranks; returns what
+// the trainer holds then, and in `padded` the parameter count with each
+// bucket padded to a multiple of `world` (DDP: unpadded).
+template <class Strategy>
+accel::ModelStateBytes bytes_after_one_step(Strategy strategy, int world, std::int64_t& padded) {
+  accel::Trainer<Strategy> trainer(strategy);
+  auto net = odd_mlp();
+  torch::optim::Adam opt(net->parameters());
+  trainer.prepare(net, opt);
+  auto batch = odd_batch(0, 4);
+  trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+  padded = 0;
+  if constexpr (!std::is_same_v<Strategy, accel::DDP>) {
+    for (auto n : trainer.strategy_engine().bucket_numels()) padded += (n + world - 1) / world * world;
+  } else {
+    for (auto& p : net->parameters()) padded += p.numel();
+  }
+  return trainer.model_state_bytes();
+}
+
 }  // namespace
 
 TEST_SUITE("zero") {
@@ -92,21 +112,7 @@ TEST_SUITE("zero") {
     //   ZeRO-1 params 4P, grads 4P,   Adam state 8P/N
     //   ZeRO-2 params 4P, grads 4P/N, Adam state 8P/N
     spawn_each({2, 3}, [](int world, int) {
-      auto measure = [&](auto strategy, std::int64_t& padded) {
-        accel::Trainer<decltype(strategy)> trainer(strategy);
-        auto net = odd_mlp();
-        torch::optim::Adam opt(net->parameters());
-        trainer.prepare(net, opt);
-        auto batch = odd_batch(0, 4);
-        trainer.step([&] { return loss_of(net, batch.x, batch.y); });
-        padded = 0;
-        if constexpr (!std::is_same_v<decltype(strategy), accel::DDP>) {
-          for (auto n : trainer.strategy_engine().bucket_numels()) padded += (n + world - 1) / world * world;
-        } else {
-          for (auto& p : net->parameters()) padded += p.numel();
-        }
-        return trainer.model_state_bytes();
-      };
+      auto measure = [&](auto strategy, std::int64_t& padded) { return bytes_after_one_step(strategy, world, padded); };
       std::int64_t P = 0;
       auto ddp = measure(accel::DDP{}, P);
       require(P == 356, "DDP: P is the parameter count");
@@ -272,17 +278,7 @@ TEST_SUITE("zero") {
   TEST_CASE("cpu_offload memory: the device keeps no optimizer state; the host holds the shard, its gradient and "
             "the Adam state (ZeRO formulas / N)") {
     spawn_each({2, 3}, [](int world, int) {
-      auto measure = [&](auto strategy, std::int64_t& padded) {
-        accel::Trainer<decltype(strategy)> trainer(strategy);
-        auto net = odd_mlp();
-        torch::optim::Adam opt(net->parameters());
-        trainer.prepare(net, opt);
-        auto batch = odd_batch(0, 4);
-        trainer.step([&] { return loss_of(net, batch.x, batch.y); });
-        padded = 0;
-        for (auto n : trainer.strategy_engine().bucket_numels()) padded += (n + world - 1) / world * world;
-        return trainer.model_state_bytes();
-      };
+      auto measure = [&](auto strategy, std::int64_t& padded) { return bytes_after_one_step(strategy, world, padded); };
       std::int64_t P = 0;
       auto describe = [](const accel::ModelStateBytes& m) {
         return std::to_string(m.parameters) + " " + std::to_string(m.gradients) + " " +
