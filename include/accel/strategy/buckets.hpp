@@ -333,6 +333,16 @@ class BucketedEngineBase {
     return -1;
   }
 
+  /// Points the optimizer's groups at one tensor per bucket (a shard, or its
+  /// host twin), each in the group its bucket was planned for.
+  void point_optimizer_at(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                          const std::vector<at::Tensor>& per_bucket) const {
+    const auto& buckets = state_->buckets;
+    for (auto& group : groups) group.params().clear();
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      if (buckets[b].group >= 0) groups[buckets[b].group].params().push_back(per_bucket[b]);
+  }
+
   void allocate_gradients() {
     for (auto& bucket : state_->buckets)
       if (!bucket.grad.defined())

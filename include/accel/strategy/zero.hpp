@@ -80,10 +80,7 @@ class ZeROEngine : public BucketedEngineBase {
       if constexpr (Stage == 2) grad_shards_.push_back(at::zeros({shard}, flat.options()));
     }
     if (offload_.enabled()) offload_.attach(shards_);
-    const auto& stepped = optimizer_parameters();
-    for (auto& group : groups) group.params().clear();
-    for (std::size_t b = 0; b < s.buckets.size(); ++b)
-      if (s.buckets[b].group >= 0) groups[s.buckets[b].group].params().push_back(stepped[b]);
+    point_optimizer_at(groups, optimizer_parameters());
     allocate_gradients();
     attach_shard_gradients();
     work_.resize(s.buckets.size());

@@ -358,10 +358,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     }
     for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
     if (offload_.enabled()) offload_.attach(z.shards);
-    const auto& stepped = optimizer_parameters();
-    for (auto& group : groups) group.params().clear();
-    for (std::size_t b = 0; b < s.buckets.size(); ++b)
-      if (s.buckets[b].group >= 0) groups[s.buckets[b].group].params().push_back(stepped[b]);
+    point_optimizer_at(groups, optimizer_parameters());
     z.release_all();
     work_.resize(s.buckets.size());
     received_.resize(s.buckets.size());
