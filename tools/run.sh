@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian bookworm machine (as root):
 #   bash tools/run.sh demo   install what is missing, build, run the MLP example on 2 processes
-#   bash tools/run.sh test   install what is missing, build, run the test suite
+#   bash tools/run.sh test   install what is missing, build, run the test suite against both LibTorches
 #   bash tools/run.sh build  install what is missing and build
+#
+# Which LibTorch: ACCEL_TORCH=debian (Debian's 1.13.1, CPU), pypi (LibTorch 2.x
+# from PyPI's torch wheel, a CUDA build that also runs on a CPU, with the
+# Python accelerate beside it, in .venv-torch/) or both. `test` defaults to
+# both; `demo` and `build` to debian, which installs in a minute where the
+# wheel and its CUDA libraries are 5 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-demo}"
 build_dir="${ACCEL_BUILD_DIR:-build}"
+if [ "$what" = test ]; then torch="${ACCEL_TORCH:-both}"; else torch="${ACCEL_TORCH:-debian}"; fi
+pypi_torch="${ACCEL_PYPI_TORCH:-2.15.0}"
+pypi_accelerate="${ACCEL_PYPI_ACCELERATE:-1.15.0}"
+venv=.venv-torch
+case "$torch" in debian|pypi|both) ;; *) echo "ACCEL_TORCH must be debian, pypi or both, not '$torch'" >&2; exit 2 ;; esac
 
-# Debian packages: LibTorch (CPU) and the Gloo headers its c10d includes,
+# Debian packages: LibTorch (CPU) and the Gloo headers its c10d includes (the
+# PyPI wheel ships no Gloo headers either, so both builds use Debian's),
 # OpenBLAS (without it LibTorch falls back to a 20x slower reference BLAS),
 # the build tools, the test/benchmark libraries, and python3-torch as the
 # PyTorch reference of the side-by-side checks.
-packages=(g++ meson ninja-build pkg-config ccache libtorch-dev libgloo-dev libopenblas0-pthread
-          nlohmann-json3-dev doctest-dev libbenchmark-dev libgoogle-glog-dev python3 python3-torch)
+packages=(g++ meson ninja-build pkg-config ccache cmake libtorch-dev libgloo-dev libopenblas0-pthread
+          nlohmann-json3-dev doctest-dev libbenchmark-dev libgoogle-glog-dev python3 python3-torch python3-venv)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -25,24 +37,50 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-if [ ! -f "$build_dir/build.ninja" ]; then
-  meson setup "$build_dir" --buildtype=release
+# LibTorch 2.x: PyPI's torch wheel (its torch/ folder is a LibTorch: include/,
+# lib/, share/cmake/Torch) and accelerate, the reference of the parity checks.
+provision_pypi() {
+  if ! "$venv/bin/python" -c "import torch, accelerate, sys; sys.exit(torch.__version__.split('+')[0] != '$pypi_torch')" \
+       2>/dev/null; then
+    echo "accel: installing torch==$pypi_torch and accelerate==$pypi_accelerate from PyPI into $venv (about 5 GB)" >&2
+    /usr/bin/python3 -m venv "$venv" >&2
+    "$venv/bin/pip" install -q --disable-pip-version-check "torch==$pypi_torch" "accelerate==$pypi_accelerate" >&2
+  fi
+  "$venv/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))'
+}
+
+# build DIR [meson options...]
+build() {
+  local dir=$1; shift
+  [ -f "$dir/build.ninja" ] || meson setup "$dir" --buildtype=release "$@"
+  local start; start=$(date +%s)
+  ninja -C "$dir"
+  echo "accel: build of $dir took $(( $(date +%s) - start )) s"
+}
+
+dirs=()
+if [ "$torch" != pypi ]; then build "$build_dir"; dirs+=("$build_dir"); fi
+if [ "$torch" != debian ]; then
+  torch_dir=$(provision_pypi)
+  build "$build_dir-pypi" -Dtorch_dir="$torch_dir"
+  dirs+=("$build_dir-pypi")
 fi
-start=$(date +%s)
-ninja -C "$build_dir"
-echo "accel: build took $(( $(date +%s) - start )) s"
 
 case "$what" in
   build) ;;
   demo)
-    "$build_dir/tools/accel" launch --num_processes 2 "$build_dir/examples/mlp" --epochs 3 ;;
+    "${dirs[0]}/tools/accel" launch --num_processes 2 "${dirs[0]}/examples/mlp" --epochs 3 ;;
   test)
     status=0
-    meson test -C "$build_dir" --print-errorlogs --num-processes 1 || status=$?
+    for dir in "${dirs[@]}"; do
+      echo "accel: testing $dir"
+      meson test -C "$dir" --print-errorlogs --num-processes 1 || status=$?
+    done
     # One summary line any CI reads: "N passed, N failed".
-    /usr/bin/python3 - "$build_dir/meson-logs/testlog.json" <<'PY'
+    /usr/bin/python3 - "${dirs[@]}" <<'PY'
 import json, sys
-results = [json.loads(line)["result"] for line in open(sys.argv[1]) if line.strip()]
+results = [json.loads(line)["result"] for d in sys.argv[1:]
+           for line in open(f"{d}/meson-logs/testlog.json") if line.strip()]
 passed = sum(r in ("OK", "EXPECTEDFAIL") for r in results)
 skipped = sum(r == "SKIP" for r in results)
 print(f"{passed} passed, {len(results) - passed - skipped} failed, {skipped} skipped")

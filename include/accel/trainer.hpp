@@ -60,6 +60,7 @@
 namespace accel {
 
 using data::LoaderOptions;
+using data::Sharding;
 
 /// Settings of the run rather than of a policy.
 struct TrainerOptions {
@@ -530,7 +531,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     if (optimizer_ != nullptr)
       for (const auto& group : optimizer_->param_groups())
         for (const auto& p : group.params()) {
-          auto it = optimizer_->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+          auto it = optimizer_->state().find(compat::optimizer_state_key(*optimizer_, p));
           if (it == optimizer_->state().end()) continue;
           // Copies read back from the state's serialisation: sized, not deduplicated.
           auto& into = host.contains(p.unsafeGetTensorImpl()) ? bytes.offloaded_optimizer_state : bytes.optimizer_state;
@@ -768,7 +769,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         if (mine[b].is_same(t)) return b;
       throw std::logic_error("accel: optimizer parameter that is no ZeRO shard");
     };
-    auto key = [](const at::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); };
+    auto key = [&](const at::Tensor& t) { return compat::optimizer_state_key(optimizer, t); };
     // saved[s][b]: saved rank s's state of bucket b, serialised; proto[b]: a state object of the right type
     std::vector<std::vector<std::string>> saved(saved_shards, std::vector<std::string>(mine.size()));
     std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> proto(mine.size());

@@ -72,6 +72,13 @@ inline accel::SpawnOptions bounded(std::chrono::seconds timeout = std::chrono::s
 }
 
 /// A path in /tmp unique to this test process, for results the ranks write.
+/// The Python whose torch matches the LibTorch under test (and, for a PyPI
+/// torch, holds accelerate): tests/meson.build sets ACCEL_TEST_PYTHON.
+inline std::string test_python() {
+  const char* python = std::getenv("ACCEL_TEST_PYTHON");
+  return python != nullptr && *python != 0 ? python : "/usr/bin/python3";
+}
+
 inline std::string temp_path(const std::string& name) {
   return "/tmp/accel_test_" + std::to_string(::getpid()) + "_" + name;
 }

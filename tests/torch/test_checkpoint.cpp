@@ -48,14 +48,13 @@ void require_identical(torch::nn::Sequential& a, torch::optim::Adam& oa, torch::
                        torch::optim::Adam& ob) {
   auto pa = a->parameters(), pb = b->parameters();
   for (std::size_t i = 0; i < pa.size(); ++i) require(pa[i].equal(pb[i]), "parameter " + std::to_string(i) + " bitwise equal");
-  auto key = [](const at::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); };
   for (std::size_t g = 0; g < oa.param_groups().size(); ++g) {
     const auto& qa = oa.param_groups()[g].params();
     const auto& qb = ob.param_groups()[g].params();
     require(qa.size() == qb.size() && !qa.empty(), "same optimizer layout");
     for (std::size_t j = 0; j < qa.size(); ++j) {
-      auto& sa = static_cast<torch::optim::AdamParamState&>(*oa.state().at(key(qa[j])));
-      auto& sb = static_cast<torch::optim::AdamParamState&>(*ob.state().at(key(qb[j])));
+      auto& sa = static_cast<torch::optim::AdamParamState&>(*oa.state().at(accel::compat::optimizer_state_key(oa, qa[j])));
+      auto& sb = static_cast<torch::optim::AdamParamState&>(*ob.state().at(accel::compat::optimizer_state_key(ob, qb[j])));
       require(sa.step() == sb.step(), "Adam step count");
       require(sa.exp_avg().equal(sb.exp_avg()) && sa.exp_avg_sq().equal(sb.exp_avg_sq()), "Adam moments bitwise equal");
     }

@@ -212,6 +212,10 @@ TEST_SUITE("collectives") {
         const std::uint64_t before = comm.p2p_bytes_sent();
         reduce_scatter(comm, int_valued_input(1, rank, numel, at::kFloat), "test bytes");
         const std::uint64_t sent = comm.p2p_bytes_sent() - before;
+        if (comm.native_flat_collectives()) {  // Gloo from 2.11: the native collective, no ring
+          require(sent == 0, describe("native reduce-scatter, no send calls", numel, world, rank));
+          continue;
+        }
         // Every shard but this rank's own leaves this rank, once.
         const auto own = shard_range(numel, world, rank);
         require(sent == input_bytes - static_cast<std::uint64_t>(own.size) * sizeof(float),
@@ -224,8 +228,9 @@ TEST_SUITE("collectives") {
       const std::int64_t numel = 6 * 1024;
       const std::uint64_t before = comm.p2p_bytes_sent();
       reduce_scatter(comm, int_valued_input(2, rank, numel, at::kBFloat16), "test bytes");
-      require((comm.p2p_bytes_sent() - before) * world == numel * sizeof(float) * (world - 1),
-              "bf16 moves (n-1)/n of the tensor as fp32");
+      if (!comm.native_flat_collectives())
+        require((comm.p2p_bytes_sent() - before) * world == numel * sizeof(float) * (world - 1),
+                "bf16 moves (n-1)/n of the tensor as fp32");
       // all_gather_flat uses no point-to-point sends at all.
       const std::uint64_t before_gather = comm.p2p_bytes_sent();
       all_gather_flat(comm, at::zeros({shard_range(numel, world, rank).size}), numel, "test bytes");
@@ -249,6 +254,7 @@ TEST_SUITE("collectives") {
     CHECK(seconds >= 1.5);
     CHECK(seconds < 5.0);
     CHECK(text.find("rank 0: reduce-scatter of ZeRO gradients") != std::string::npos);
-    CHECK(text.find("receive from rank 1") != std::string::npos);
+    // The ring names the peer it waited for; a native collective cannot know which one is missing.
+    if (!accel::compat::gloo_has_flat_collectives) CHECK(text.find("receive from rank 1") != std::string::npos);
   }
 }

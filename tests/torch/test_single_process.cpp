@@ -8,7 +8,10 @@
 #include <torch/optim/sgd.h>
 
 
+#include <nlohmann/json.hpp>
+
 #include <cstdio>
+#include <cstdlib>
 #include <set>
 
 #include "doctest_torch.hpp"
@@ -182,19 +185,20 @@ TEST_SUITE("single_process") {
   }
 
   TEST_CASE("the sampler's order is PyTorch's, index for index") {
-    // Reference: torch.utils.data.DistributedSampler in Debian's python3-torch.
-    const char* script =
-        "/usr/bin/python3 -c \"import torch.utils.data as d; "
+    // Reference: torch.utils.data.DistributedSampler in the Python whose torch
+    // matches this LibTorch (tests/meson.build sets ACCEL_TEST_PYTHON).
+    const std::string script =
+        test_python() + " -c \"import torch.utils.data as d; "
         "s=d.DistributedSampler(range(11), num_replicas=3, rank=1, shuffle=True, seed=5); s.set_epoch(2); "
         "print(' '.join(map(str, list(s))))\" 2>/dev/null";
-    FILE* pipe = ::popen(script, "r");
+    FILE* pipe = ::popen(script.c_str(), "r");
     REQUIRE(pipe != nullptr);
     std::vector<std::int64_t> expected;
     long long value;
     while (std::fscanf(pipe, "%lld", &value) == 1) expected.push_back(value);
     const int status = ::pclose(pipe);
-    REQUIRE_MESSAGE((status == 0 && !expected.empty()),
-                    "the reference needs Debian's python3-torch (apt-get install python3-torch)");
+    const std::string hint = "the reference needs torch in " + test_python() + " (apt-get install python3-torch)";
+    REQUIRE_MESSAGE((status == 0 && !expected.empty()), hint);
     accel::data::DistributedSampler sampler(11, 3, 1, {.shuffle = true, .seed = 5});
     sampler.set_epoch(2);
     auto idx = sampler.indices();
@@ -224,16 +228,25 @@ TEST_SUITE("single_process") {
     trainer.prepare(net, opt);
     auto batch = global_batch(0, 8);
     at::ScalarType inside = at::kFloat;
-    trainer.step([&] {
-      auto logits = net->forward(batch.x);
-      inside = logits.scalar_type();
-      return torch::nn::functional::cross_entropy(logits, batch.y);
-    });
-    CHECK((inside == at::kBFloat16));
-    for (auto& p : net->parameters()) {
-      CHECK((p.scalar_type() == at::kFloat));
-      CHECK((p.grad().scalar_type() == at::kFloat));
+    {  // step() spelt out, to look at the gradients before zero_grad (which may free them: 2.x)
+      [[maybe_unused]] auto micro = trainer.accumulate();
+      at::Tensor loss;
+      {
+        [[maybe_unused]] auto scope = trainer.autocast();
+        auto logits = net->forward(batch.x);
+        inside = logits.scalar_type();
+        loss = torch::nn::functional::cross_entropy(logits, batch.y);
+      }
+      trainer.backward(loss);
+      for (auto& p : net->parameters()) {
+        CHECK((p.scalar_type() == at::kFloat));
+        REQUIRE(p.grad().defined());
+        CHECK((p.grad().scalar_type() == at::kFloat));
+      }
+      trainer.optimizer_step();
+      trainer.zero_grad();
     }
+    CHECK((inside == at::kBFloat16));
     // Outside the scope autocast is off again.
     CHECK((net->forward(batch.x).scalar_type() == at::kFloat));
   }
@@ -261,5 +274,50 @@ TEST_SUITE("single_process") {
     // after 60 steps the final losses agree within 5% relative.
     CHECK(std::abs(loss16 - loss32) < 0.05 * loss32);
     CHECK(max_param_diff(*net32, *net16) < 0.05);
+  }
+}
+
+// Accelerate's prepared DataLoader is the reference for accel's default order
+// (whole batches per rank). Needs accelerate in ACCEL_TEST_PYTHON: the PyPI
+// build (tools/run.sh with ACCEL_TORCH=pypi) has it; elsewhere this suite
+// reports SKIP (exit 77) and says why.
+TEST_SUITE("accelerate") {
+  TEST_CASE("the loader's default order is Accelerate's, index for index") {
+    const std::string probe = test_python() + " -c 'import accelerate' 2>/dev/null";
+    if (std::system(probe.c_str()) != 0) {
+      std::printf("SKIP: %s has no accelerate (bash tools/run.sh test with ACCEL_TORCH=pypi installs it)\n",
+                  test_python().c_str());
+      std::exit(77);
+    }
+    struct Case { std::int64_t samples; int world; std::int64_t batch; bool shuffle; std::uint64_t seed; std::int64_t epoch; bool drop_last; };
+    // Even and uneven splits, fewer samples than one round, shuffled epochs, drop_last.
+    const Case cases[] = {{11, 3, 2, false, 0, 0, false}, {11, 2, 3, true, 5, 2, false}, {5, 4, 3, false, 0, 0, false},
+                          {40, 2, 4, true, 7, 1, false},   {23, 3, 2, true, 1, 0, true},  {16, 2, 8, false, 0, 0, false}};
+    for (const auto& c : cases) {
+      CAPTURE(c.samples); CAPTURE(c.world); CAPTURE(c.batch); CAPTURE(c.shuffle); CAPTURE(c.drop_last);
+      const std::string command = test_python() + " " + ACCEL_SOURCE_ROOT "/bench/accelerate_parity.py sampler" +
+                                  " --samples " + std::to_string(c.samples) + " --world " + std::to_string(c.world) +
+                                  " --batch_size " + std::to_string(c.batch) + (c.shuffle ? " --shuffle" : "") +
+                                  " --seed " + std::to_string(c.seed) + " --epoch " + std::to_string(c.epoch) +
+                                  (c.drop_last ? " --drop_last" : "") + " 2>/dev/null";
+      FILE* pipe = ::popen(command.c_str(), "r");
+      REQUIRE(pipe != nullptr);
+      std::string text;
+      char buffer[4096];
+      while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) text += buffer;
+      REQUIRE(::pclose(pipe) == 0);
+      const auto expected = nlohmann::json::parse(text).get<std::vector<std::vector<std::int64_t>>>();
+      REQUIRE(expected.size() == static_cast<std::size_t>(c.world));
+      for (int rank = 0; rank < c.world; ++rank) {
+        CAPTURE(rank);
+        accel::data::DistributedSampler sampler(c.samples, c.world, rank,
+                                                {.shuffle = c.shuffle, .seed = c.seed, .drop_last = c.drop_last,
+                                                 .sharding = accel::data::Sharding::batches, .batch_size = c.batch});
+        sampler.set_epoch(c.epoch);
+        const auto idx = sampler.indices();
+        std::vector<std::int64_t> got(idx.data_ptr<std::int64_t>(), idx.data_ptr<std::int64_t>() + idx.numel());
+        CHECK(got == expected[rank]);
+      }
+    }
   }
 }

@@ -58,6 +58,15 @@ inline void check_flat(const at::Tensor& t, const char* op, const char* name) {
 /// collectives), so bf16 travels and accumulates as fp32 instead.
 inline bool ring_sums_natively(at::ScalarType dtype) { return dtype != at::kBFloat16; }
 
+/// Whether the backend's native flat all-gather takes `dtype`: NCCL any;
+/// Gloo (2.15 measured) refuses bool, int16 and uint8, so those travel as bytes
+/// in the list form.
+inline bool gathers_natively(const Communicator& comm, at::ScalarType dtype) {
+  if (comm.backend_kind() == BackendKind::nccl) return true;
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16 ||
+         dtype == at::kLong || dtype == at::kInt;
+}
+
 /// `input` (N) laid out as `world` rows of the longest shard (world * max),
 /// zero-padded: the layout the native equal-split collectives require.
 inline at::Tensor pad_to_rows(const at::Tensor& input, int world) {
@@ -139,18 +148,21 @@ inline at::Tensor reduce_scatter(Communicator& comm, const at::Tensor& input, co
   if (!comm.distributed()) return input.clone();
   const int n = comm.size(), r = comm.rank();
   const std::int64_t total = input.numel();
-  if (comm.backend_kind() == BackendKind::nccl) {
+  // On Gloo bf16 is summed in fp32 (one rounding), natively or in the ring.
+  const bool widen = comm.backend_kind() == BackendKind::gloo && !detail::ring_sums_natively(input.scalar_type());
+  at::Tensor work = widen ? input.to(at::kFloat).contiguous() : input.contiguous();  // (N)
+  at::Tensor mine;
+  if (comm.native_flat_collectives()) {
     // Native equal-split reduce-scatter.
     const bool even = total % n == 0;
-    at::Tensor rows = even ? input.contiguous() : detail::pad_to_rows(input, n);  // (n * longest)
-    at::Tensor out = at::empty({rows.numel() / n}, input.options());             // (longest)
+    at::Tensor rows = even ? work : detail::pad_to_rows(work, n);  // (n * longest)
+    at::Tensor out = at::empty({rows.numel() / n}, work.options());  // (longest)
     at::Tensor flat_rows = rows.reshape({rows.numel()});
     comm.reduce_scatter_base_async(out, flat_rows, what + " (reduce-scatter)").wait();
-    return even ? out : out.narrow(0, 0, shard_range(total, n, r).size).clone();  // (size(r))
+    mine = even ? out : out.narrow(0, 0, shard_range(total, n, r).size).clone();  // (size(r))
+  } else {
+    mine = detail::ring_reduce_scatter(comm, work, what);  // (size(r))
   }
-  const bool widen = !detail::ring_sums_natively(input.scalar_type());
-  at::Tensor work = widen ? input.to(at::kFloat).contiguous() : input.contiguous();  // (N)
-  at::Tensor mine = detail::ring_reduce_scatter(comm, work, what);                 // (size(r))
   return widen ? mine.to(input.scalar_type()) : mine;
 }
 
@@ -160,7 +172,8 @@ inline at::Tensor reduce_scatter(Communicator& comm, const at::Tensor& input, co
 ///
 /// Gloo: the list all-gather, each shard zero-padded to the longest one and
 /// the padding dropped afterwards; shards travel as raw bytes, so any dtype
-/// (bf16 included) arrives bit-exact and at its own width. NCCL: native
+/// (bf16 included) arrives bit-exact and at its own width. NCCL and Gloo from
+/// LibTorch 2.11 (Communicator::native_flat_collectives): native
 /// _allgather_base. Bounded by the communicator's timeout; failures are
 /// CollectiveErrors naming `what` and the rank.
 inline at::Tensor all_gather_flat(Communicator& comm, const at::Tensor& shard, std::int64_t total_numel,
@@ -183,7 +196,7 @@ inline at::Tensor all_gather_flat(Communicator& comm, const at::Tensor& shard, s
     padded = at::zeros({longest}, shard.options());
     padded.narrow(0, 0, mine.size).copy_(shard);
   }
-  if (comm.backend_kind() == BackendKind::nccl) {
+  if (comm.native_flat_collectives() && detail::gathers_natively(comm, shard.scalar_type())) {
     at::Tensor rows = at::empty({n * longest}, shard.options());  // (n * longest)
     comm.all_gather_base_async(rows, padded, what + " (flat all-gather)").wait();
     return detail::unpad_rows(rows.view({n, longest}), total_numel, n);  // (total)

@@ -128,6 +128,10 @@ class Communicator {
   /// Which backend the collectives run on: callers pick native or built
   /// algorithms by it (Gloo lacks reduce-scatter and flat all-gather).
   BackendKind backend_kind() const { return kind_; }
+  /// Whether the backend has native flat reduce-scatter and all-gather
+  /// (NCCL; Gloo from LibTorch 2.11): engines use them instead of the ones
+  /// built from all-to-all and list all-gather.
+  bool native_flat_collectives() const { return kind_ == BackendKind::nccl || compat::gloo_has_flat_collectives; }
   compat::CollectiveBackend& backend() const { return *group_->backend; }
   /// Collectives this handle has issued (tests count them: gradient
   /// accumulation must issue none on its non-final micro-steps).

@@ -6,8 +6,14 @@
 
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/version.h>
+
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #define ACCEL_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -24,6 +30,11 @@ using CollectiveBackend = c10d::Backend;
 using CollectiveBackend = c10d::ProcessGroup;
 #endif
 using Work = c10d::Work;
+
+/// Whether Gloo runs the flat collectives `_reduce_scatter_base` and
+/// `_allgather_base` (and bf16): not in 1.13; yes in 2.11 and 2.15, the
+/// versions bench/gloo_capabilities.py was run on (README, "LibTorch 2.x").
+inline constexpr bool gloo_has_flat_collectives = ACCEL_TORCH_AT_LEAST(2, 11);
 
 // ---------------------------------------------------------------- autocast
 // 1.13 has per-device entry points (set_cpu_enabled, set_autocast_cpu_dtype,
@@ -74,5 +85,24 @@ inline bool fused_amp_ops_available(c10::DeviceType device) {
 // ---------------------------------------------------------------- autograd
 /// The post-hook interface of autograd nodes (same signature in 1.13 and 2.x).
 using PostHook = torch::autograd::FunctionPostHook;
+
+/// An owning handle to an autograd node: std::shared_ptr<Node> in 1.13,
+/// c10::intrusive_ptr<Node> in recent 2.x.
+using NodeHandle = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+// ---------------------------------------------------------------- optimizers
+/// The key of `parameter` in `optimizer.state()`: 1.13 keys the map by the
+/// printed TensorImpl address (a std::string), recent 2.x by the TensorImpl*.
+template <class Optimizer>
+auto optimizer_state_key(const Optimizer& optimizer, const at::Tensor& parameter) {
+  using Key = typename std::remove_cvref_t<decltype(optimizer.state())>::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;
+    address << parameter.unsafeGetTensorImpl();
+    return address.str();
+  } else {
+    return Key(parameter.unsafeGetTensorImpl());
+  }
+}
 
 }  // namespace accel::compat

@@ -19,7 +19,12 @@ struct LoaderOptions {
   std::int64_t batch_size = 1;
   bool shuffle = false;
   std::uint64_t seed = 0;  ///< the shuffle seed, shared by all ranks
-  bool drop_last = false;  ///< drop a final batch smaller than batch_size
+  /// Sharding::batches: drop the samples that do not fill a batch on every rank
+  /// (Accelerate's drop_last); Sharding::samples: drop a final batch smaller than batch_size.
+  bool drop_last = false;
+  /// Which samples each rank reads: Accelerate's whole batches in turn (the
+  /// default), or PyTorch DistributedSampler's every n-th sample.
+  Sharding sharding = Sharding::batches;
 };
 
 /// Where the most recently served batch sits: shared between a loader and
@@ -50,7 +55,12 @@ class DataLoader {
       : dataset_(std::move(dataset)),
         options_(options),
         sampler_(std::make_unique<DistributedSampler>(
-            dataset_.size(), world_size, rank, SamplerOptions{options.shuffle, options.seed, false})),
+            dataset_.size(), world_size, rank,
+            SamplerOptions{.shuffle = options.shuffle,
+                           .seed = options.seed,
+                           .drop_last = options.drop_last && options.sharding == Sharding::batches,
+                           .sharding = options.sharding,
+                           .batch_size = options.batch_size})),
         device_(device),
         cursor_(std::move(cursor)),
         position_(std::move(position)) {

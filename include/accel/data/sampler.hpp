@@ -1,7 +1,14 @@
 #pragma once
-// Which sample indices each rank reads in an epoch: PyTorch's
-// DistributedSampler, bit for bit (same permutation for the same seed and
-// epoch, padding by wrapping around, rank r takes positions r, r+n, ...).
+// Which sample indices each rank reads in an epoch. Both orders start from
+// the same epoch order (a permutation seeded by seed + epoch, or 0..n-1) and
+// pad it by wrapping around, so every rank reads as many samples:
+// - Sharding::batches: Accelerate's prepared DataLoader (BatchSamplerShard,
+//   even_batches, with its SeedableRandomSampler when shuffling): the order is
+//   cut into batches and rank r takes batches r, r+n, ... whole.
+// - Sharding::samples: PyTorch's DistributedSampler, bit for bit: rank r
+//   takes positions r, r+n, ... and batches its own share.
+// Either way one step's global batch is the same set of samples; the split
+// across ranks differs (which matters where partial sums round, as in bf16).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -14,10 +21,18 @@
 
 namespace accel::data {
 
+/// How an epoch's samples are split across ranks (see the top of this file).
+enum class Sharding {
+  batches,  ///< Accelerate's order: whole batches per rank, in turn (the default)
+  samples,  ///< PyTorch's DistributedSampler: every n-th sample per rank
+};
+
 struct SamplerOptions {
   bool shuffle = true;
   std::uint64_t seed = 0;  ///< shared by all ranks; the epoch is added to it
   bool drop_last = false;  ///< drop the tail instead of padding with repeats
+  Sharding sharding = Sharding::samples;
+  std::int64_t batch_size = 1;  ///< the unit Sharding::batches deals out
 };
 
 class DistributedSampler {
@@ -25,7 +40,8 @@ class DistributedSampler {
   DistributedSampler(std::int64_t dataset_size, int num_replicas, int rank, SamplerOptions options)
       : size_(dataset_size), replicas_(num_replicas), rank_(rank), options_(options) {
     if (dataset_size <= 0) throw std::invalid_argument("accel: cannot shard an empty dataset");
-    if (options.drop_last && dataset_size < num_replicas)
+    if (options.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
+    if (options.drop_last && dataset_size < num_replicas * unit())
       throw std::invalid_argument("accel: drop_last with " + std::to_string(dataset_size) +
                                   " samples leaves nothing for " + std::to_string(num_replicas) + " ranks");
   }
@@ -36,23 +52,42 @@ class DistributedSampler {
 
   /// Samples per rank (after padding or dropping).
   std::int64_t per_rank() const {
-    return options_.drop_last ? size_ / replicas_ : (size_ + replicas_ - 1) / replicas_;
+    if (replicas_ == 1) return options_.drop_last ? size_ / unit() * unit() : size_;  // nothing to even out
+    const std::int64_t round = replicas_ * unit();  // samples dealt to all ranks in one turn
+    const std::int64_t rounds = options_.drop_last ? size_ / round : (size_ + round - 1) / round;
+    return rounds * unit();
   }
   std::int64_t padded_size() const { return per_rank() * replicas_; }
+  Sharding sharding() const { return options_.sharding; }
 
   /// This rank's indices for the current epoch, int64, in reading order.
-  at::Tensor indices() const { return global_order().slice(0, rank_, padded_size(), replicas_); }
+  at::Tensor indices() const {
+    const at::Tensor order = global_order();
+    if (replicas_ == 1) return order;
+    if (options_.sharding == Sharding::samples) return order.slice(0, rank_, padded_size(), replicas_);
+    // (rounds, ranks, batch): rank r's batches are column r
+    return order.view({-1, replicas_, unit()}).select(1, rank_).reshape({-1});
+  }
 
   /// How many of `rank`'s first `count` local positions past `start` are
   /// real samples rather than padding (padding sits at the global tail).
   std::int64_t real_in(int rank, std::int64_t start, std::int64_t count) const {
     std::int64_t real = 0;
     for (std::int64_t local = start; local < start + count; ++local)
-      if (local * replicas_ + rank < size_) ++real;
+      if (global_position(rank, local) < size_) ++real;
     return real;
   }
 
  private:
+  // The number of consecutive samples of the order one rank takes at a time.
+  std::int64_t unit() const { return options_.sharding == Sharding::batches ? options_.batch_size : 1; }
+
+  // Where `rank`'s local position `local` sits in the padded epoch order.
+  std::int64_t global_position(int rank, std::int64_t local) const {
+    const std::int64_t u = unit();
+    return ((local / u) * replicas_ + rank) * u + local % u;
+  }
+
   at::Tensor global_order() const {
     at::Tensor order;
     if (options_.shuffle) {

@@ -301,7 +301,7 @@ class BucketedEngineBase {
       shard.copy_(grad);
       return {};
     }
-    if (s.comm->backend_kind() == comm::BackendKind::nccl)
+    if (s.comm->native_flat_collectives())
       return s.comm->reduce_scatter_base_async(shard, grad, std::move(what));
     received = at::empty_like(grad);
     return s.comm->all_to_all_async(received, grad, std::move(what));
@@ -464,7 +464,7 @@ class BucketedEngineBase {
     return unused;
   }
 
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<compat::NodeHandle> accumulators_;
   std::vector<std::uintptr_t> hook_keys_;
 };
 

@@ -129,7 +129,7 @@ class ZeRO3State {
       const std::int64_t shard = shards[b].numel();
       auto input = shards[b].detach();
       const std::string what = "all-gather of ZeRO-3 unit '" + unit.name + "'";
-      if (comm->backend_kind() == comm::BackendKind::nccl) {  // native flat all-gather
+      if (comm->native_flat_collectives()) {  // native flat all-gather
         unit.gathering.push_back(comm->all_gather_base_async(target, input, what));
         continue;
       }
