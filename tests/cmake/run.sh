@@ -22,5 +22,5 @@ done
 cmake -S "$here" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release "${pins[@]}" \
       -DCMAKE_PREFIX_PATH="$tmp/root$prefix" -DTorch_DIR="$torch_dir/share/cmake/Torch" >"$tmp/cmake.log" 2>&1 \
   || { tail -30 "$tmp/cmake.log"; exit 1; }
-cmake --build "$tmp/build" >"$tmp/build.log" 2>&1 || { grep -E "error|Error" "$tmp/build.log" | head -20; exit 1; }
+cmake --build "$tmp/build" >"$tmp/build.log" 2>&1 || { grep -E "error|Error|undefined" "$tmp/build.log" | cut -c1-400 | head -20; exit 1; }
 OMP_NUM_THREADS=1 "$tmp/build/consumer"
