@@ -13,13 +13,7 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 meson install -C "$build" --no-rebuild --quiet --destdir "$tmp/root" >/dev/null
 prefix=$(meson introspect "$build" --buildoptions | python3 -c \
   'import json,sys; print(next(o["value"] for o in json.load(sys.stdin) if o["name"] == "prefix"))')
-# TorchConfig.cmake's find_library searches the system's directories before its own lib/:
-# with Debian's LibTorch installed too it would mix the two. Pin this LibTorch's libraries.
-pins=(-DTORCH_LIBRARY="$torch_dir/lib/libtorch.so" -DC10_CUDA_LIBRARY="$torch_dir/lib/libc10_cuda.so")
-for lib in torch torch_cpu c10 torch_cuda c10_cuda; do
-  [ -f "$torch_dir/lib/lib$lib.so" ] && pins+=(-D${lib}_LIBRARY="$torch_dir/lib/lib$lib.so")
-done
-cmake -S "$here" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release "${pins[@]}" \
+cmake -S "$here" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH="$tmp/root$prefix" -DTorch_DIR="$torch_dir/share/cmake/Torch" >"$tmp/cmake.log" 2>&1 \
   || { tail -30 "$tmp/cmake.log"; exit 1; }
 cmake --build "$tmp/build" >"$tmp/build.log" 2>&1 || { grep -E "error|Error|undefined" "$tmp/build.log" | cut -c1-400 | head -20; exit 1; }
