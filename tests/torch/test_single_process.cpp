@@ -8,6 +8,7 @@
 #include <torch/optim/sgd.h>
 
 
+#include <dlfcn.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -161,6 +162,23 @@ TEST_SUITE("single_process") {
 }
 
 TEST_SUITE("single_process") {
+  TEST_CASE("std::filesystem binds to libstdc++, not to the copy a PyPI LibTorch exports") {
+    // NOTE [libstdc++ before LibTorch] (meson.build): PyPI's libtorch*.so define
+    // std::filesystem functions of their own; bound first, remove_all crashed
+    // the checkpoint tests on 2.11. The symbols checkpoints use must come from libstdc++.
+    for (const char* symbol : {"_ZNSt10filesystem10remove_allERKNS_7__cxx114pathE",
+                               "_ZNKSt10filesystem7__cxx1118directory_iteratordeEv",
+                               "_ZNSt10filesystem18create_directoriesERKNS_7__cxx114pathE",
+                               "_ZNSt10filesystem6renameERKNS_7__cxx114pathES3_"}) {
+      CAPTURE(symbol);
+      void* address = ::dlsym(RTLD_DEFAULT, symbol);
+      REQUIRE(address != nullptr);
+      Dl_info where{};
+      REQUIRE(::dladdr(address, &where) != 0);
+      CHECK(std::string(where.dli_fname).find("libstdc++") != std::string::npos);
+    }
+  }
+
   TEST_CASE("the sampler shards like PyTorch's DistributedSampler: padded, disjoint, reshuffled per epoch") {
     const std::int64_t n = 11;
     for (int world : {1, 2, 3, 4}) {
