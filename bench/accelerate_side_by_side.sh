@@ -7,7 +7,7 @@
 #
 #   bench/accelerate_side_by_side.sh BUILD_DIR PYTHON [--parity-only] [--device cuda]
 # PYTHON must have torch 2.x and accelerate (tools/run.sh with ACCEL_TORCH=pypi
-# makes one: .venv-torch/bin/python). Exits 77 (skipped) when it has no accelerate.
+# makes one: ~/.cache/accel/torch-2.15.0/bin/python). Exits 77 (skipped) when it has no accelerate.
 # With --device cuda (one GPU): one process each, bf16 on the GPU.
 # Last line: "accel/accelerate global samples/s ratio: X".
 set -euo pipefail

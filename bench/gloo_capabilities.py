@@ -1,7 +1,7 @@
 """Which collectives this PyTorch's Gloo backend runs, on 2 CPU processes.
 
     python3 bench/gloo_capabilities.py            # Debian's python3-torch (1.13)
-    .venv-torch2/bin/python bench/gloo_capabilities.py   # the PyPI wheel (2.x)
+    ~/.cache/accel/torch-2.15.0/bin/python bench/gloo_capabilities.py   # the PyPI wheel (2.x)
 
 Prints one Markdown table row per collective and dtype: "works" when the
 result equals the reference, else the first line of the error. accel's

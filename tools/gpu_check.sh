@@ -23,10 +23,7 @@ say "torch $("$python" -c 'import torch; print(torch.__version__, "CUDA", torch.
     "GPU: $("$python" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")')"
 
 setup=(--buildtype=release -Dtorch_dir="$torch_dir" -Dpython="$(command -v "$python")")
-if [ -n "${ACCEL_GLOO_INCLUDE:-}" ]; then  # meson takes no absolute include paths inside the source tree
-  gloo_copy=$(mktemp -d); cp -r "$ACCEL_GLOO_INCLUDE"/. "$gloo_copy"/
-  setup+=(-Dgloo_include="$gloo_copy")
-fi
+[ -n "${ACCEL_GLOO_INCLUDE:-}" ] && setup+=(-Dgloo_include="$(realpath "$ACCEL_GLOO_INCLUDE")")
 # Extra meson options, e.g. --wrap-mode=nodownload on a machine without a network.
 read -r -a extra <<<"${ACCEL_GPU_MESON_ARGS:-}"
 setup+=("${extra[@]}")

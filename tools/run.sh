@@ -6,7 +6,8 @@
 #
 # Which LibTorch: ACCEL_TORCH=debian (Debian's 1.13.1, CPU), pypi (LibTorch 2.x
 # from PyPI's torch wheel, a CUDA build that also runs on a CPU, with the
-# Python accelerate beside it, in .venv-torch/) or both. `test` defaults to
+# Python accelerate beside it, in a venv outside the tree: $ACCEL_VENV, default
+# ~/.cache/accel/torch-<version>) or both. `test` defaults to
 # both; `demo` and `build` to debian, which installs in a minute where the
 # wheel and its CUDA libraries are 5 GB.
 set -euo pipefail
@@ -16,7 +17,8 @@ build_dir="${ACCEL_BUILD_DIR:-build}"
 if [ "$what" = test ]; then torch="${ACCEL_TORCH:-both}"; else torch="${ACCEL_TORCH:-debian}"; fi
 pypi_torch="${ACCEL_PYPI_TORCH:-2.15.0}"
 pypi_accelerate="${ACCEL_PYPI_ACCELERATE:-1.15.0}"
-venv=.venv-torch
+# Outside the source tree: meson refuses include paths inside it, and clones share it.
+venv="${ACCEL_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/accel/torch-$pypi_torch}"
 case "$torch" in debian|pypi|both) ;; *) echo "ACCEL_TORCH must be debian, pypi or both, not '$torch'" >&2; exit 2 ;; esac
 
 # Debian packages: LibTorch (CPU) and the Gloo headers its c10d includes (the
@@ -43,7 +45,7 @@ provision_pypi() {
   if ! "$venv/bin/python" -c "import torch, accelerate, sys; sys.exit(torch.__version__.split('+')[0] != '$pypi_torch')" \
        2>/dev/null; then
     echo "accel: installing torch==$pypi_torch and accelerate==$pypi_accelerate from PyPI into $venv (about 5 GB)" >&2
-    /usr/bin/python3 -m venv "$venv" >&2
+    mkdir -p "$(dirname "$venv")" && /usr/bin/python3 -m venv "$venv" >&2
     "$venv/bin/pip" install -q --disable-pip-version-check "torch==$pypi_torch" "accelerate==$pypi_accelerate" >&2
   fi
   "$venv/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))'
