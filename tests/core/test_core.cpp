@@ -114,6 +114,14 @@ TEST_SUITE("environment") {
     CHECK(w.rank == 5);
     CHECK(w.world_size == 6);
     CHECK(w.local_rank == 1);
+    CHECK(w.local_world_size == 2);  // "2(x3)": 2 tasks on each of 3 nodes
+    // Unequal counts name no single local size: the world size stands in.
+    auto uneven = read({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "5"}, {"SLURM_LOCALID", "0"},
+                        {"SLURM_NTASKS_PER_NODE", "2(x2),1"}, {"MASTER_ADDR", "node0"}});
+    CHECK(uneven.local_world_size == 5);
+    auto plain = read({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"},
+                       {"SLURM_NTASKS_PER_NODE", "4"}, {"MASTER_ADDR", "node0"}});
+    CHECK(plain.local_world_size == 4);
   }
 
   TEST_CASE("torchrun inside a one-task SLURM allocation is not a contradiction") {

@@ -13,12 +13,19 @@
 #include <unistd.h>
 
 #include <accel/accel.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <iterator>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace accel::testing {
 
@@ -58,6 +65,46 @@ inline double max_param_diff(torch::nn::Module& a, torch::nn::Module& b) {
     worst = std::max(worst, (pa[i] - pb[i]).abs().max().item<double>());
   return worst;
 }
+
+/// Sets environment variables for a scope and puts back what was there
+/// before, also when a REQUIRE or an exception leaves the scope early.
+class ScopedEnv {
+ public:
+  ScopedEnv() = default;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      else ::unsetenv(it->first.c_str());
+    }
+  }
+  void set(const std::string& name, const std::string& value) {
+    if (std::none_of(saved_.begin(), saved_.end(), [&](const auto& s) { return s.first == name; })) {
+      const char* before = std::getenv(name.c_str());
+      saved_.emplace_back(name, before ? std::optional<std::string>(before) : std::nullopt);
+    }
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+/// Removes the given paths when the scope ends, however it ends.
+class RemoveOnExit {
+ public:
+  RemoveOnExit(std::initializer_list<std::filesystem::path> paths) : paths_(paths) {}
+  RemoveOnExit(const RemoveOnExit&) = delete;
+  RemoveOnExit& operator=(const RemoveOnExit&) = delete;
+  ~RemoveOnExit() {
+    std::error_code ignored;
+    for (const auto& p : paths_) std::filesystem::remove_all(p, ignored);
+  }
+
+ private:
+  std::vector<std::filesystem::path> paths_;
+};
 
 /// Throws (failing the rank, hence the spawn) when `ok` is false.
 inline void require(bool ok, const std::string& what) {

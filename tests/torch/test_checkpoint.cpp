@@ -89,33 +89,33 @@ TEST_SUITE("checkpoint") {
   TEST_CASE("exact resume, one process: interrupted after step k, resumed to n, bitwise equal to an "
             "uninterrupted run (model, Adam state, data order, RNG)") {
     const auto dir = fresh_dir("single");
+    RemoveOnExit cleanup{dir};
     accel::spawn(1, [&](int) { interrupted_equals_uninterrupted<accel::SingleProcess>(dir, 5, 20); }, bounded(120s));
-    fs::remove_all(dir);
   }
 
   TEST_CASE("exact resume, 2-rank DDP: bitwise equal to an uninterrupted run") {
     const auto dir = fresh_dir("ddp");
+    RemoveOnExit cleanup{dir};
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::DDP>(dir, 5, 12); }, bounded(120s));
-    fs::remove_all(dir);
   }
 
   TEST_CASE("exact resume, 2-rank ZeRO-2 and ZeRO-3 (sharded state): bitwise equal to an uninterrupted run") {
     const auto dir = fresh_dir("zero");
+    RemoveOnExit cleanup{dir};
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<2>>(dir, 5, 12); }, bounded(120s));
     fs::remove_all(dir);
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted<accel::ZeRO<3>>(dir, 5, 12); }, bounded(120s));
-    fs::remove_all(dir);
   }
 
   TEST_CASE("exact resume under cpu_offload, 2-rank ZeRO-1 and ZeRO-3: the host twins take over the loaded "
             "parameters; bitwise equal to an uninterrupted run") {
     const auto dir = fresh_dir("offload");
+    RemoveOnExit cleanup{dir};
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted(dir, 5, 12, accel::ZeRO<1>{.cpu_offload = true}); },
                  bounded(120s));
     fs::remove_all(dir);
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted(dir, 5, 12, accel::ZeRO<3>{.cpu_offload = true}); },
                  bounded(120s));
-    fs::remove_all(dir);
   }
 
   TEST_CASE_TEMPLATE("a checkpoint saved on 2 ranks resumes on 1 and on 3 ranks and matches the reference", Strategy,
@@ -125,6 +125,7 @@ TEST_SUITE("checkpoint") {
     // ZeRO the Adam state is resharded from 2 shards to M.
     const std::int64_t b = 4, k = 3, n = 6;
     const auto dir = fresh_dir("reshard");
+    RemoveOnExit cleanup{dir};
     auto train = [&](int rank, int world, std::int64_t from, std::int64_t to, bool load, bool save) {
       accel::Trainer<Strategy> trainer(Strategy{.bucket_cap_mb = 0.0002, .first_bucket_cap_mb = 0.0002});
       auto net = tiny_mlp(0);
@@ -158,12 +159,12 @@ TEST_SUITE("checkpoint") {
           },
           bounded(120s));
     }
-    fs::remove_all(dir);
   }
 
   TEST_CASE("a HybridShard checkpoint from 4 ranks (2 groups of 2) resumes under ZeRO-3 on 2 and on 3 ranks") {
     const std::int64_t b = 2, k = 3, n = 5;
     const auto dir = fresh_dir("hybrid");
+    RemoveOnExit cleanup{dir};
     accel::spawn(
         4,
         [&](int rank) {
@@ -206,11 +207,11 @@ TEST_SUITE("checkpoint") {
           },
           bounded(120s));
     }
-    fs::remove_all(dir);
   }
 
   TEST_CASE("a save killed midway leaves the previous checkpoint loadable and the broken one rejected") {
     const auto first = fresh_dir("good"), second = fresh_dir("killed"), marker = fresh_dir("marker");
+    RemoveOnExit cleanup{first, second, marker};
     auto make_big = [] {
       at::manual_seed(3);
       return torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Linear(2048, 2048),
@@ -256,12 +257,20 @@ TEST_SUITE("checkpoint") {
     CHECK_THROWS_WITH_AS(trainer.load_state(second), doctest::Contains("is incomplete: it has no manifest.json"),
                          accel::checkpoint::CheckpointError);
     CHECK_NOTHROW(trainer.load_state(first));
-    for (const auto& p : {first, second, marker}) fs::remove_all(p);
+    // What came back is the first save's model: make_big after one step, recomputed here.
+    accel::Trainer<> replay;
+    auto expected = make_big();
+    torch::optim::Adam expected_opt(expected->parameters());
+    replay.prepare(expected, expected_opt);
+    auto x = at::randn({2, 2048});
+    replay.step([&] { return expected->forward(x).sum(); });
+    CHECK(max_param_diff(*net, *expected) == 0.0);
   }
 
   TEST_CASE("a ZeRO-3 checkpoint from 2 ranks consolidates into one model file that a plain model loads") {
     const auto dir = fresh_dir("export"), out = fresh_dir("export.pt");
     const auto expected = fresh_dir("expected.pt");
+    RemoveOnExit cleanup{dir, out, expected};
     accel::spawn(
         2,
         [&](int rank) {
@@ -285,11 +294,11 @@ TEST_SUITE("checkpoint") {
     torch::load(reference, expected.string());
     CHECK(max_param_diff(*plain, *reference) == 0.0);
     CHECK_THROWS_WITH(accel::checkpoint::export_model(dir, out, 3), doctest::Contains("there is no model 3"));
-    for (const auto& p : {dir, out, expected}) fs::remove_all(p);
   }
 
   TEST_CASE("bad checkpoints are rejected with what is wrong") {
     const auto dir = fresh_dir("bad");
+    RemoveOnExit cleanup{dir};
     {
       accel::Trainer<> trainer;
       auto net = tiny_mlp(0);
@@ -334,11 +343,11 @@ TEST_SUITE("checkpoint") {
       accel::Trainer<> trainer;
       CHECK_THROWS_WITH(trainer.load_state(dir / "nope"), doctest::Contains("does not exist"));
     }
-    fs::remove_all(dir);
   }
 
   TEST_CASE("save_state() names checkpoints and keeps the newest total_limit; registered objects come back") {
     const auto project = fresh_dir("project");
+    RemoveOnExit cleanup{project};
     accel::Trainer<> trainer(accel::TrainerOptions{.project_dir = project, .total_limit = 2});
     auto net = tiny_mlp(0);
     torch::optim::Adam opt(net->parameters());
@@ -373,6 +382,5 @@ TEST_SUITE("checkpoint") {
     CHECK(opt2.param_groups()[0].options().get_lr() == opt.param_groups()[0].options().get_lr());
     CHECK(opt2.param_groups()[0].options().get_lr() < 1e-3);  // the schedule did decay
     CHECK(max_param_diff(*net, *net2) == 0.0);
-    fs::remove_all(project);
   }
 }

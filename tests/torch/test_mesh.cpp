@@ -29,13 +29,13 @@ TEST_SUITE("mesh") {
               // Sum of world ranks over the group: only its members contribute.
               auto t = at::full({1}, static_cast<float>(rank));
               group.all_reduce(t, "mesh test");
-              float expected = 0;
-              for (int i = 0; i < mesh.size(dim); ++i) {
-                int c[3] = {mesh.coordinate(MeshDim::tensor), mesh.coordinate(MeshDim::data),
-                            mesh.coordinate(MeshDim::pipeline)};
-                c[static_cast<int>(dim)] = i;
-                expected += static_cast<float>(mesh.rank_at(c[0], c[1], c[2]));
-              }
+              // Megatron's order, by hand: tensor peers are {0,1} and {2,3}; the other
+              // dimension of size 2 pairs {0,2} and {1,3}; a dimension of size 1 is the rank alone.
+              const int size = dim == MeshDim::tensor ? shape.tensor
+                                                      : (dim == MeshDim::data ? shape.data : shape.pipeline);
+              const float expected = dim == MeshDim::tensor ? (rank < 2 ? 0 + 1 : 2 + 3)
+                                     : size == 2            ? (rank % 2 == 0 ? 0 + 2 : 1 + 3)
+                                                            : static_cast<float>(rank);
               require(t.item<float>() == expected, "the all-reduce stayed inside its group");
             }
           },

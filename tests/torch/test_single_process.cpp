@@ -85,26 +85,27 @@ TEST_SUITE("single_process") {
   }
 
   TEST_CASE("a SingleProcess trainer refuses to run as one of several processes") {
-    ::setenv("RANK", "0", 1);
-    ::setenv("WORLD_SIZE", "2", 1);
-    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-    ::setenv("MASTER_PORT", "29999", 1);
+    ScopedEnv env;
+    env.set("RANK", "0");
+    env.set("WORLD_SIZE", "2");
+    env.set("MASTER_ADDR", "127.0.0.1");
+    env.set("MASTER_PORT", "29999");
     CHECK_THROWS_WITH_AS(accel::Trainer<>{}, doctest::Contains("strategy is SingleProcess"),
                          accel::ConfigurationError);
-    for (auto* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
   }
 
   TEST_CASE("a launcher asking for another FSDP sharding strategy than the compiled one is an error") {
-    ::setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD", 1);
+    ScopedEnv env;
+    env.set("FSDP_SHARDING_STRATEGY", "FULL_SHARD");
     CHECK_THROWS_WITH_AS(accel::Trainer<>{}, doctest::Contains("use accel::FSDP<accel::ShardingStrategy::FULL_SHARD>"),
                          accel::ConfigurationError);
-    ::setenv("FSDP_SHARDING_STRATEGY", "2", 1);  // Accelerate's numbering: SHARD_GRAD_OP
+    env.set("FSDP_SHARDING_STRATEGY", "2");  // Accelerate's numbering: SHARD_GRAD_OP
     CHECK_THROWS_WITH(accel::Trainer<>{}, doctest::Contains("fsdp_sharding_strategy=SHARD_GRAD_OP"));
-    ::unsetenv("FSDP_SHARDING_STRATEGY");
   }
 
   TEST_CASE("a launcher's fsdp_offload_params=true turns on cpu_offload; a strategy without sharded state refuses it") {
-    ::setenv("FSDP_OFFLOAD_PARAMS", "true", 1);
+    ScopedEnv env;
+    env.set("FSDP_OFFLOAD_PARAMS", "true");
     {
       accel::Trainer<accel::ZeRO<1>> trainer;
       auto net = tiny_mlp(0);
@@ -114,19 +115,19 @@ TEST_SUITE("single_process") {
     }
     CHECK_THROWS_WITH_AS(accel::Trainer<accel::DDP>{}, doctest::Contains("fsdp_offload_params=true"),
                          accel::ConfigurationError);
-    ::setenv("FSDP_OFFLOAD_PARAMS", "maybe", 1);
+    env.set("FSDP_OFFLOAD_PARAMS", "maybe");
     CHECK_THROWS_WITH(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_OFFLOAD_PARAMS='maybe'"));
-    ::setenv("FSDP_OFFLOAD_PARAMS", "false", 1);
+    env.set("FSDP_OFFLOAD_PARAMS", "false");
     accel::Trainer<accel::ZeRO<1>> plain;
     auto net = tiny_mlp(0);
     torch::optim::SGD opt(net->parameters(), 0.1);
     plain.prepare(net, opt);
     CHECK(plain.strategy_engine().offloaded_parameters().empty());
-    ::unsetenv("FSDP_OFFLOAD_PARAMS");
   }
 
   TEST_CASE("a launcher's fsdp_auto_wrap_policy, fsdp_min_num_params and fsdp_transformer_layer_cls_to_wrap set "
             "ZeRO-3's units") {
+    ScopedEnv env;
     auto units = [] {
       accel::Trainer<accel::ZeRO<3>> trainer;
       auto net = tiny_mlp(0, 8, 16, 4, 2);  // Linear 8x16 (144), 16x16 (272), 16x4 (68)
@@ -138,26 +139,25 @@ TEST_SUITE("single_process") {
       return names;
     };
     CHECK(units() == std::vector<std::string>{"(root)"});
-    ::setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", 1);
-    ::setenv("FSDP_MIN_NUM_PARAMS", "100", 1);
+    env.set("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP");
+    env.set("FSDP_MIN_NUM_PARAMS", "100");
     CHECK(units() == std::vector<std::string>{"0", "2", "(root)"});
-    ::setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP", 1);
-    ::setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LinearImpl, Nothing", 1);
+    env.set("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP");
+    env.set("FSDP_TRANSFORMER_CLS_TO_WRAP", "LinearImpl, Nothing");
     CHECK(units() == std::vector<std::string>{"0", "2", "4", "(root)"});
-    ::setenv("FSDP_AUTO_WRAP_POLICY", "BY_MAGIC", 1);
+    env.set("FSDP_AUTO_WRAP_POLICY", "BY_MAGIC");
     CHECK_THROWS_WITH_AS(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_AUTO_WRAP_POLICY='BY_MAGIC'"),
                          accel::ConfigurationError);
-    ::setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", 1);
-    ::setenv("FSDP_MIN_NUM_PARAMS", "1e5", 1);
+    env.set("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP");
+    env.set("FSDP_MIN_NUM_PARAMS", "1e5");
     CHECK_THROWS_WITH(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_MIN_NUM_PARAMS='1e5'"));
-    for (auto* name : {"FSDP_AUTO_WRAP_POLICY", "FSDP_MIN_NUM_PARAMS", "FSDP_TRANSFORMER_CLS_TO_WRAP"}) ::unsetenv(name);
   }
 
   TEST_CASE("a launcher asking for another precision than the compiled one is an error") {
-    ::setenv("ACCELERATE_MIXED_PRECISION", "bf16", 1);
+    ScopedEnv env;
+    env.set("ACCELERATE_MIXED_PRECISION", "bf16");
     CHECK_THROWS_WITH_AS(accel::Trainer<>{}, doctest::Contains("mixed_precision=bf16"), accel::ConfigurationError);
     CHECK_NOTHROW(accel::Trainer<accel::SingleProcess, accel::BF16>{});
-    ::unsetenv("ACCELERATE_MIXED_PRECISION");
   }
 }
 
@@ -288,10 +288,12 @@ TEST_SUITE("single_process") {
     const double loss16 = train(bf16, net16);
     const double initial = 1.386;  // ln(4): chance level for 4 classes
     CHECK(loss32 < 0.8 * initial);
-    // Tolerance: bf16 has an 8-bit mantissa (~0.4% relative error per op);
-    // after 60 steps the final losses agree within 5% relative.
-    CHECK(std::abs(loss16 - loss32) < 0.05 * loss32);
-    CHECK(max_param_diff(*net32, *net16) < 0.05);
+    const double relative = std::abs(loss16 - loss32) / loss32, weights = max_param_diff(*net32, *net16);
+    std::printf("BF16 vs FP32 after 60 steps: loss %.3g relative, weights %.3g\n", relative, weights);
+    // Measured (1.13): loss 2.8e-4 relative, weights 5.9e-4; the bounds are about 10x that.
+    CHECK(relative < 3e-3);
+    CHECK(weights < 6e-3);
+    CHECK(weights > 1e-5);  // and bf16 really ran: the runs are not the same
   }
 }
 

@@ -98,10 +98,17 @@ inline std::optional<WorldInfo> read_launcher(const VariableReader& env, const L
   info.rank = *rank;
   info.world_size = *world;
   info.local_rank = env.optional_int(names.local_rank).value_or(*rank);
-  // SLURM_NTASKS_PER_NODE may read "2(x3)"; only a plain number is taken as the local size.
+  // SLURM_NTASKS_PER_NODE may read "2(x3)": 2 tasks on each of 3 nodes. A list of unequal
+  // counts ("2(x2),1") names no single local size, and the world size stands in for it.
   std::optional<int> local_world;
-  if (auto text = env.lookup(names.local_world_size); text && text->find('(') == std::string::npos)
-    local_world = parse_int_variable(names.local_world_size, *text, 1);
+  if (auto text = env.lookup(names.local_world_size)) {
+    std::string count = *text;
+    if (const auto paren = count.find("(x"); paren != std::string::npos && count.back() == ')' &&
+                                              count.find(',') == std::string::npos)
+      count.resize(paren);
+    if (count.find_first_of("(,") == std::string::npos)
+      local_world = parse_int_variable(names.local_world_size, count, 1);
+  }
   info.local_world_size = local_world.value_or(*world);
   if (info.local_rank >= info.local_world_size)
     throw EnvironmentError(std::string("accel: ") + names.local_rank + "=" + std::to_string(info.local_rank) +
