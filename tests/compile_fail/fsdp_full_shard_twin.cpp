@@ -1,4 +1,8 @@
-// The passing twin of fsdp_hybrid_shard.cpp: FULL_SHARD is ZeRO<3>.
+// FSDP's FULL_SHARD is ZeRO<3>, and trains and checkpoints as such.
 // expect-pass
-#include <accel/trainer.hpp>
-void build() { accel::Trainer<accel::FSDP<accel::ShardingStrategy::FULL_SHARD>> trainer; }
+#include "exercise.hpp"
+static_assert(std::is_same_v<accel::FSDP<accel::ShardingStrategy::FULL_SHARD>, accel::ZeRO<3>>);
+void build() {
+  accel::Trainer<accel::FSDP<accel::ShardingStrategy::FULL_SHARD>> trainer;
+  accel_test::exercise(trainer);
+}

@@ -1,6 +1,6 @@
 // The passing twin: the same user strategy, opted in.
 // expect-pass
-#include <accel/trainer.hpp>
+#include "exercise.hpp"
 struct MyStrategy {
   template <class P, class D>
   using engine = accel::strategy::SingleProcessEngine<P, D>;
@@ -9,4 +9,7 @@ struct MyStrategy {
 template <>
 inline constexpr bool accel::enable_strategy_policy<MyStrategy> = true;
 static_assert(accel::strategy_policy<MyStrategy>);
-void build() { accel::Trainer<MyStrategy> trainer; }
+void build() {
+  accel::Trainer<MyStrategy> trainer;
+  accel_test::exercise(trainer);
+}
