@@ -217,6 +217,13 @@ TEST_SUITE("checkpoint") {
       return torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Linear(2048, 2048),
                                    torch::nn::Linear(2048, 2048));
     };
+    // What the first save holds: make_big after one Adam step on x (drawn after the initialisation).
+    auto first_step = [](accel::Trainer<>& trainer, torch::nn::Sequential& net, torch::optim::Adam& opt) {
+      trainer.prepare(net, opt);
+      auto x = at::randn({2, 2048});
+      trainer.step([&] { return net->forward(x).sum(); });
+      return x;
+    };
     std::fflush(nullptr);
     const pid_t child = ::fork();
     REQUIRE(child >= 0);
@@ -225,9 +232,7 @@ TEST_SUITE("checkpoint") {
       accel::Trainer<> trainer;
       auto net = make_big();
       torch::optim::Adam opt(net->parameters());
-      trainer.prepare(net, opt);
-      auto x = at::randn({2, 2048});
-      trainer.step([&] { return net->forward(x).sum(); });
+      auto x = first_step(trainer, net, opt);
       trainer.save_state(first);
       std::ofstream(marker) << "first saved";
       trainer.step([&] { return net->forward(x).sum(); });
@@ -257,13 +262,11 @@ TEST_SUITE("checkpoint") {
     CHECK_THROWS_WITH_AS(trainer.load_state(second), doctest::Contains("is incomplete: it has no manifest.json"),
                          accel::checkpoint::CheckpointError);
     CHECK_NOTHROW(trainer.load_state(first));
-    // What came back is the first save's model: make_big after one step, recomputed here.
+    // What came back is the first save's model, recomputed here.
     accel::Trainer<> replay;
     auto expected = make_big();
     torch::optim::Adam expected_opt(expected->parameters());
-    replay.prepare(expected, expected_opt);
-    auto x = at::randn({2, 2048});
-    replay.step([&] { return expected->forward(x).sum(); });
+    first_step(replay, expected, expected_opt);
     CHECK(max_param_diff(*net, *expected) == 0.0);
   }
 
