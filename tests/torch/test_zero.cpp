@@ -92,16 +92,23 @@ TEST_SUITE("zero") {
     }, bounded(120s));
   }
 
-  TEST_CASE("ZeRO-2 with gradient accumulation and global-norm clipping equals one process") {
+  TEST_CASE("ZeRO-1 and ZeRO-2 with gradient accumulation and global-norm clipping equal one process") {
     accel::spawn(
         3,
         [](int rank) {
           const int steps = 3;
           const std::int64_t b = 2;
-          auto accumulated = train(accel::ZeRO<2>{.bucket_cap_mb = 0.0002}, rank, 3, steps, b, 2);
-          require(max_param_diff(*accumulated, *reference(steps, b * 3 * 2)) < 1e-5, "accumulation");
-          auto clipped = train(accel::ZeRO<2>{.bucket_cap_mb = 0.0002}, rank, 3, steps, b, 1, 0.05);
-          require(max_param_diff(*clipped, *reference(steps, b * 3, 0.05)) < 1e-5, "clipping by the global norm");
+          auto check = [&](auto zero, const std::string& name) {
+            auto accumulated = train(zero, rank, 3, steps, b, 2);
+            require(max_param_diff(*accumulated, *reference(steps, b * 3 * 2)) < 1e-5, name + " accumulation");
+            auto clipped = train(zero, rank, 3, steps, b, 1, 0.05);
+            require(max_param_diff(*clipped, *reference(steps, b * 3, 0.05)) < 1e-5, name + " clipping");
+            // The companion: clipping engaged, so the unclipped run is far outside the bound.
+            const double unclipped = max_param_diff(*clipped, *reference(steps, b * 3));
+            require(unclipped > 1e-3, name + ": clipping changed nothing (" + std::to_string(unclipped) + ")");
+          };
+          check(accel::ZeRO<1>{.bucket_cap_mb = 0.0002}, "ZeRO-1");
+          check(accel::ZeRO<2>{.bucket_cap_mb = 0.0002}, "ZeRO-2");
         },
         bounded(120s));
   }
@@ -303,6 +310,23 @@ TEST_SUITE("zero") {
       auto plain = measure(accel::ZeRO<3>{}, P);
       require(plain.offloaded_total() == 0 && plain.optimizer_state == 8 * P / world, "no offload: " + describe(plain));
     }, bounded(120s));
+  }
+
+  TEST_CASE("HybridShard with global-norm clipping on 4 ranks (2 groups of 2) equals one process clipping") {
+    accel::spawn(
+        4,
+        [](int rank) {
+          const int steps = 3;
+          const std::int64_t b = 2;
+          auto clipped = train(accel::HybridShard{.zero = {.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP,
+                                                           .min_num_params = 60},
+                                                  .shard_group_size = 2},
+                               rank, 4, steps, b, 1, 0.05);
+          require(max_param_diff(*clipped, *reference(steps, b * 4, 0.05)) < 1e-5, "HybridShard clipping");
+          const double unclipped = max_param_diff(*clipped, *reference(steps, b * 4));
+          require(unclipped > 1e-3, "HybridShard: clipping changed nothing (" + std::to_string(unclipped) + ")");
+        },
+        bounded(120s));
   }
 
   TEST_CASE("HybridShard (FSDP HYBRID_SHARD): 4 ranks in 2 shard groups of 2 equal one process, with and without "
