@@ -12,7 +12,7 @@
 # Last line: "accel/accelerate global samples/s ratio: X".
 set -euo pipefail
 build=$(realpath "$1"); python=$2; shift 2
-parity_only=0; device=cpu; py_rate=0; accel_rate=0
+parity_only=0; device=cpu
 while (($#)); do
   case "$1" in
     --parity-only) parity_only=1 ;;
@@ -75,8 +75,9 @@ else
   run_pair "single GPU SGD bf16" "$small" 2e-3 --optimizer sgd --precision bf16 -- \
            --strategy single --optimizer sgd --precision bf16 || status=1
   run_pair "single GPU Adam fp32" "$small" 1e-5 --optimizer adam -- --strategy single --optimizer adam || status=1
-  run_pair "single GPU Adam bf16 (diverges: lr 0.05 Adam amplifies bf16 rounding)" "$small" 1e9 \
-           --optimizer adam --precision bf16 -- --strategy single --optimizer adam --precision bf16 || status=1
+  # Information, not a check: Adam at lr 0.05 amplifies bf16 rounding, and the two runs diverge (1.05 measured).
+  run_pair "single GPU Adam bf16 (information only)" "$small" inf \
+           --optimizer adam --precision bf16 -- --strategy single --optimizer adam --precision bf16 || true
 fi
 ((parity_only)) && exit $status
 
