@@ -18,7 +18,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
-#include <accel/trainer.hpp>
+#include <accel/accel.hpp>
 #include <nlohmann/json.hpp>
 
 #include <chrono>

@@ -42,7 +42,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
-#include <accel/trainer.hpp>
+#include <accel/accel.hpp>
 
 #include <time.h>
 

@@ -6,6 +6,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include <accel/strategy/ddp.hpp>
 #include <accel/trainer.hpp>
 
 #include <dlfcn.h>

@@ -7,7 +7,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-#include <accel/trainer.hpp>
+#include <accel/trainer.hpp>  // a twin includes the strategy headers it uses first
 
 namespace accel_test {
 
@@ -23,7 +23,7 @@ void exercise_training(Trainer& trainer) {
       auto micro = trainer.accumulate();
       at::Tensor loss;
       {
-        auto scope = trainer.autocast();
+        [[maybe_unused]] auto scope = trainer.autocast();
         loss = net->forward(batch.data).sum();
       }
       trainer.backward(loss);

@@ -1,5 +1,6 @@
 // HYBRID_SHARD is its own policy (ZeRO-3 within groups, replicated across).
 // expect-pass
+#include <accel/accel.hpp>
 #include "exercise.hpp"
 static_assert(std::is_same_v<accel::FSDP<accel::ShardingStrategy::HYBRID_SHARD>, accel::HybridShard>);
 void build() {

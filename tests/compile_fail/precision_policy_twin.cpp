@@ -1,5 +1,6 @@
 // The passing twin of precision_not_a_policy.cpp: the precision policies in the Precision slot.
 // expect-pass
+#include <accel/accel.hpp>
 #include "exercise.hpp"
 void build() {
   accel::Trainer<accel::SingleProcess, accel::FP32> fp32;

@@ -1,5 +1,6 @@
 // The passing twin of the step_* snippets: a no-argument lambda returning a tensor.
 // expect-pass
+#include <accel/accel.hpp>
 #include "exercise.hpp"
 void train(accel::Trainer<>& trainer, const at::Tensor& x) {
   trainer.step([&] { return x.sum(); });

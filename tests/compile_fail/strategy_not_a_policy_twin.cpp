@@ -1,5 +1,6 @@
 // The passing twin of strategy_not_a_policy.cpp: same shape, a real policy.
 // expect-pass
+#include <accel/accel.hpp>
 #include "exercise.hpp"
 void build() {
   accel::Trainer<accel::SingleProcess> trainer;

@@ -1,5 +1,6 @@
 // The passing twin: the same user strategy, opted in.
 // expect-pass
+#include <accel/accel.hpp>
 #include "exercise.hpp"
 struct MyStrategy {
   template <class P, class D>

@@ -1,5 +1,6 @@
 // The passing twin of zero_stage_4.cpp: stages 1, 2 and 3, and their offloaded forms.
 // expect-pass
+#include <accel/accel.hpp>
 #include "exercise.hpp"
 void build() {
   accel::Trainer<accel::ZeRO<1>> one;

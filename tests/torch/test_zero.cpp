@@ -351,7 +351,7 @@ TEST_SUITE("zero") {
               trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
             }
             std::int64_t P = 0;
-            for (auto n : trainer.strategy_engine().bucket_numels()) P += (n + 1) / 2 * 2;
+            for (auto n : trainer.strategy_engine().shard_layout().bucket_numels) P += (n + 1) / 2 * 2;
             const auto bytes = trainer.model_state_bytes();
             const auto state = offload ? bytes.offloaded_optimizer_state : bytes.optimizer_state;
             require(bytes.parameters == 4 * P / 2 && state == 8 * P / 2, "sharded over the group of 2");

@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "accel/launch/variables.hpp"
 #include "cli/settings.hpp"
 
 namespace accel::cli {
@@ -64,6 +65,13 @@ inline bool has_nvidia_gpus() {
   return !ec && it != std::filesystem::directory_iterator();
 }
 
+// fsdp_config key -> variable: the key in capitals, but for the renamed ones.
+inline std::string fsdp_variable(const std::string& key) {
+  for (const auto& [from, to] : accel::launch::variables::fsdp_renamed)
+    if (key == from) return std::string(to);
+  return upper(key);
+}
+
 // Accelerate's variables for the nested sections (launch.py's prepare_*_env).
 inline void add_section_env(const LaunchSettings& s, const std::string& distributed_type,
                             std::vector<std::pair<std::string, std::string>>& env) {
@@ -86,10 +94,9 @@ inline void add_section_env(const LaunchSettings& s, const std::string& distribu
         env.emplace_back(name, env_text(it->second));
   }
   if (distributed_type == "FSDP" || !s.fsdp_config.empty()) {
-    env.emplace_back("ACCELERATE_USE_FSDP", "true");
+    env.emplace_back(accel::launch::variables::use_fsdp, "true");
     for (const auto& [key, value] : s.fsdp_config)  // fsdp_sharding_strategy -> FSDP_SHARDING_STRATEGY
-      env.emplace_back(key == "fsdp_transformer_layer_cls_to_wrap" ? "FSDP_TRANSFORMER_CLS_TO_WRAP" : upper(key),
-                       env_text(value));
+      env.emplace_back(fsdp_variable(key), env_text(value));
   }
   if (distributed_type == "MEGATRON_LM" || !s.megatron_lm_config.empty()) {
     env.emplace_back("ACCELERATE_USE_MEGATRON_LM", "true");
@@ -159,16 +166,16 @@ inline JobPlan resolve_plan(const LaunchSettings& s) {
   if (precision != "no" && precision != "fp16" && precision != "bf16")
     throw UsageError(s.describe("mixed_precision", precision) + " must be one of no, fp16, bf16" +
                      (precision == "fp8" ? " (accel has no fp8)" : ""));
-  plan.job_env.emplace_back("ACCELERATE_MIXED_PRECISION", precision);
+  plan.job_env.emplace_back(accel::launch::variables::mixed_precision, precision);
 
   if (s.gradient_accumulation_steps) {
     at_least("gradient_accumulation_steps", *s.gradient_accumulation_steps, 1);
-    plan.job_env.emplace_back("ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    plan.job_env.emplace_back(accel::launch::variables::gradient_accumulation_steps,
                               std::to_string(*s.gradient_accumulation_steps));
   }
-  if (s.use_cpu.value_or(false)) plan.job_env.emplace_back("ACCELERATE_USE_CPU", "true");
-  if (s.debug.value_or(false)) plan.job_env.emplace_back("ACCELERATE_DEBUG_MODE", "true");
-  if (s.enable_cpu_affinity.value_or(false)) plan.job_env.emplace_back("ACCELERATE_CPU_AFFINITY", "1");
+  if (s.use_cpu.value_or(false)) plan.job_env.emplace_back(accel::launch::variables::use_cpu, "true");
+  if (s.debug.value_or(false)) plan.job_env.emplace_back(accel::launch::variables::debug_mode, "true");
+  if (s.enable_cpu_affinity.value_or(false)) plan.job_env.emplace_back(accel::launch::variables::cpu_affinity, "1");
   if (s.gpu_ids && *s.gpu_ids != "all" && !s.gpu_ids->empty())
     plan.job_env.emplace_back("CUDA_VISIBLE_DEVICES", *s.gpu_ids);
   detail::add_section_env(s, plan.distributed_type, plan.job_env);

@@ -92,12 +92,18 @@ inline nlohmann::json file_sizes(const fs::path& dir) {
 
 /// Consolidation for export: the full model of a (possibly sharded)
 /// checkpoint as one LibTorch file, loadable with torch::load into the
-/// unsharded model. accel always saves the model whole (ZeRO-3 gathers it
-/// unit by unit first), so this checks the manifest and the file, then
-/// copies it atomically; the optimizer state stays sharded in the checkpoint.
+/// unsharded model. accel saves the model whole (ZeRO-3 gathers it unit by
+/// unit first) unless tensor or pipeline parallelism cut it into parts, so
+/// this checks the manifest and the file, then copies it atomically; the
+/// optimizer state stays sharded in the checkpoint.
 ///   accel export checkpoints/checkpoint_7 model.pt
 inline void export_model(const fs::path& dir, const fs::path& out, int model_index = 0) {
   const auto manifest = read_manifest(dir);
+  const int parts = manifest.value("model_parts", 1);
+  if (parts != 1)
+    throw CheckpointError("accel: checkpoint " + dir.string() + " holds the model cut into " + std::to_string(parts) +
+                          " parts (" + manifest.value("model_layout", std::string("?")) +
+                          "): there is no whole model file to export; each part is model_<i>_part_<p>.pt");
   const auto models = manifest.at("models").size();
   if (model_index < 0 || static_cast<std::size_t>(model_index) >= models)
     throw CheckpointError("accel: checkpoint " + dir.string() + " holds " + std::to_string(models) +

@@ -51,6 +51,8 @@ class DeviceMesh {
   /// The process group along `dim` (its rank is this rank's coordinate).
   Communicator& group(MeshDim dim) { return groups_[static_cast<int>(dim)]; }
   const MeshShape& shape() const { return shape_; }
+  /// The whole mesh's group.
+  Communicator& world() { return world_; }
 
   /// The world rank at the given coordinates (NOTE [Mesh rank order]).
   int rank_at(int tensor, int data, int pipeline) const {

@@ -10,16 +10,18 @@
 
 namespace accel::detail {
 
-// Parallel<Data>: the data dimension takes DDP or ZeRO<1|2>.
+// Parallel<Data>: the data dimension takes DDP or ZeRO<1|2|3>.
 template <class S>
 struct check_data_strategy {
   static constexpr bool value = true;
 };
 template <class Data>
 struct check_data_strategy<Parallel<Data>> {
-  static_assert(std::is_same_v<Data, DDP> || std::is_same_v<Data, ZeRO<1>> || std::is_same_v<Data, ZeRO<2>>,
-                "accel: Parallel<Data> takes accel::DDP, accel::ZeRO<1> or accel::ZeRO<2> over the data dimension "
-                "(ZeRO<3> does not compose with tensor or pipeline parallelism yet)");
+  static_assert(std::is_same_v<Data, DDP> || std::is_same_v<Data, ZeRO<1>> || std::is_same_v<Data, ZeRO<2>> ||
+                    std::is_same_v<Data, ZeRO<3>>,
+                "accel: Parallel<Data> takes accel::DDP or accel::ZeRO<1|2|3> over the data dimension (for "
+                "HybridShard's replicas of shard groups, use Parallel<ZeRO<3>> within a machine and DDP-style "
+                "replicas, or accel::HybridShard alone)");
   static constexpr bool value = true;
 };
 

@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "accel/nn/tensor_parallel_layer.hpp"
 #include "accel/comm/communicator.hpp"
 
 namespace accel::nn {
@@ -104,8 +105,11 @@ inline at::Tensor gather_from_tensor_parallel(const at::Tensor& x, comm::Communi
 }
 
 /// Output features split over the tensor group: weight (out/T, in), bias (out/T).
-class ColumnParallelLinearImpl : public torch::nn::Module {
+class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelLayer {
  public:
+  std::vector<at::Tensor> split_parameters() const override {
+    return bias.defined() ? std::vector<at::Tensor>{weight, bias} : std::vector<at::Tensor>{weight};
+  }
   /// Rows [r*out/T, (r+1)*out/T) of `full`'s weight and bias. With `stride`
   /// k the outputs are k stacked blocks (e.g. a fused Q, K, V projection)
   /// and each block is split separately, so every rank gets its slice of
@@ -147,8 +151,10 @@ TORCH_MODULE(ColumnParallelLinear);
 
 /// Input features split over the tensor group: weight (out, in/T); the bias
 /// is whole and added once, after the all-reduce.
-class RowParallelLinearImpl : public torch::nn::Module {
+class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelLayer {
  public:
+  /// The bias is whole: replicated.
+  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
   RowParallelLinearImpl(const torch::nn::Linear& full, comm::Communicator& group) : group_(&group) {
     const auto cols = detail::slice_of(full->weight.size(1), group, "input features");
     weight = register_parameter("weight", full->weight.detach().narrow(1, group.rank() * cols, cols).clone());
@@ -171,8 +177,9 @@ class RowParallelLinearImpl : public torch::nn::Module {
 TORCH_MODULE(RowParallelLinear);
 
 /// The vocabulary split over the tensor group: rows [r*V/T, (r+1)*V/T).
-class VocabParallelEmbeddingImpl : public torch::nn::Module {
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParallelLayer {
  public:
+  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
   VocabParallelEmbeddingImpl(const torch::nn::Embedding& full, comm::Communicator& group) : group_(&group) {
     rows_ = detail::slice_of(full->weight.size(0), group, "vocabulary size");
     first_ = group.rank() * rows_;

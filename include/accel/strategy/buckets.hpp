@@ -37,6 +37,7 @@
 
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
+#include "accel/strategy/engine.hpp"
 
 namespace accel::strategy {
 
@@ -198,7 +199,7 @@ class ReadyHook final : public compat::PostHook {
 /// The part of an engine that owns the buckets and the hooks. `group_of(i)`
 /// gives parameter i's optimizer group (parameters of different groups never
 /// share a bucket); the default puts every parameter in group 0.
-class BucketedEngineBase {
+class BucketedEngineBase : public EngineDefaults {
  public:
   explicit BucketedEngineBase(const BucketSettings& settings, comm::Communicator& comm)
       : state_(std::make_shared<detail::GradientBuckets>()) {
@@ -245,6 +246,22 @@ class BucketedEngineBase {
   std::vector<std::string> bucket_parameters(std::size_t b) const {
     std::vector<std::string> out;
     for (auto i : state_->buckets.at(b).params) out.push_back(state_->names[i]);
+    return out;
+  }
+  /// Per bucket, this rank's (padded/shards,) slice of a 0/1 mask that is 1
+  /// on the elements of the parameters `counted` accepts (padding: 0).
+  std::vector<at::Tensor> shard_masks(const std::function<bool(const at::Tensor&)>& counted, int shards,
+                                      int rank) const {
+    std::vector<at::Tensor> out;
+    for (const auto& bucket : state_->buckets) {
+      auto mask = at::zeros({bucket.padded}, at::TensorOptions().dtype(at::kFloat));
+      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+        const auto& p = state_->params[bucket.params[k]];
+        if (counted(p)) mask.narrow(0, bucket.offsets[k], p.numel()).fill_(1);
+      }
+      const std::int64_t shard = bucket.padded / shards;
+      out.push_back(mask.narrow(0, rank * shard, shard));
+    }
     return out;
   }
   void record_events(bool on) {

@@ -22,14 +22,14 @@ template <class Precision, class Device>
 class DDPEngine : public BucketedEngineBase {
  public:
   using settings_type = DDP;
-  /// Every rank holds every gradient: norms need no reduction.
-  static constexpr bool shards_gradients = false;
+  static constexpr bool shards_optimizer_state = false;
 
   DDPEngine(const DDP& settings, comm::Communicator& comm)
       : BucketedEngineBase(BucketSettings{settings.bucket_cap_mb, settings.first_bucket_cap_mb,
                                           settings.find_unused_parameters, settings.static_graph, 1, "DDP"},
                            comm),
         comm_hook_(settings.comm_hook) {
+    static_assert(complete_engine<DDPEngine>);
     state_->launch = [this](std::size_t b) { launch(b); };
   }
 

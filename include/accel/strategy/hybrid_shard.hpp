@@ -16,6 +16,7 @@
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/environment.hpp"
 #include "accel/core/policies.hpp"
+#include "accel/strategy/engine.hpp"
 #include "accel/strategy/zero3.hpp"
 
 namespace accel::strategy {
@@ -43,63 +44,66 @@ inline std::pair<comm::Communicator, comm::Communicator> hybrid_groups(const com
 }
 }  // namespace detail
 
+// Base-from-member: the groups exist before the ZeRO-3 engine built on one.
+struct HybridGroups {
+  std::pair<comm::Communicator, comm::Communicator> groups;  // (shard group, replicate group)
+};
+
 template <class Precision, class Device>
-class HybridShardEngine {
+class HybridShardEngine : private HybridGroups, public ForwardingEngine<ZeROEngine<3, Precision, Device>> {
+  using inner_type = ZeROEngine<3, Precision, Device>;
+  using forwarding = ForwardingEngine<inner_type>;
+
  public:
   using settings_type = HybridShard;
-  using inner_type = ZeROEngine<3, Precision, Device>;
-  static constexpr bool shards_gradients = true;
+  static constexpr bool shards_optimizer_state = true;
 
   static void check_world(const HybridShard& settings, int world_size) {
     detail::shard_group_size_for(settings, world_size);
   }
 
   HybridShardEngine(const HybridShard& settings, comm::Communicator& world)
-      : groups_(detail::hybrid_groups(world, detail::shard_group_size_for(settings, world.size()))),
-        inner_(settings.zero, groups_.first) {}
+      : HybridGroups{detail::hybrid_groups(world, detail::shard_group_size_for(settings, world.size()))},
+        forwarding(settings.zero, shard_group()) {
+    static_assert(complete_engine<HybridShardEngine>);
+  }
 
   void prepare_model(torch::nn::Module& model) {
-    inner_.prepare_model(model);  // equal within the shard group: its first rank's weights
+    inner().prepare_model(model);  // equal within the shard group: its first rank's weights
     // ... and across the replicas: the first group's (buffers too).
-    detail::broadcast_module_state(model, groups_.second, "broadcast of the first replica's parameters at prepare");
+    detail::broadcast_module_state(model, replicate_group(), "broadcast of the first replica's parameters at prepare");
   }
-  void prepare_optimizer(torch::optim::Optimizer& optimizer) { inner_.prepare_optimizer(optimizer); }
-  void before_forward() { inner_.before_forward(); }
-  void after_forward() { inner_.after_forward(); }
-  void before_backward(const at::Tensor& loss) { inner_.before_backward(loss); }
 
   /// The shard group's reduce-scatter, then the average over the replicas.
   void synchronize_gradients() {
-    inner_.reduce_gradients();
-    auto& replicas = groups_.second;
+    inner().reduce_gradients();
+    auto& replicas = replicate_group();
     if (replicas.distributed()) {
       std::vector<comm::Pending> pending;
-      for (at::Tensor grad : inner_.device_gradient_shards()) {
+      for (at::Tensor grad : inner().device_gradient_shards()) {
         grad.div_(replicas.size());
         pending.push_back(replicas.all_reduce_async(grad, "all-reduce of HybridShard gradient shards across replicas"));
       }
       for (auto& p : pending) p.wait();
     }
-    inner_.offload_gradients();  // the averaged shards, under cpu_offload
+    inner().offload_gradients();  // the averaged shards, under cpu_offload
   }
-  void after_optimizer_step() { inner_.after_optimizer_step(); }
-  void set_gradient_sync(bool sync) { inner_.set_gradient_sync(sync); }
-  void zero_grad(torch::optim::Optimizer& optimizer) { inner_.zero_grad(optimizer); }
-  const std::vector<at::Tensor>& optimizer_parameters() const { return inner_.optimizer_parameters(); }
-  const std::vector<at::Tensor>& offloaded_parameters() const { return inner_.offloaded_parameters(); }
-  const std::vector<at::Tensor>& device_shards() const { return inner_.device_shards(); }
-  void parameters_loaded() { inner_.parameters_loaded(); }
-  std::vector<std::int64_t> bucket_numels() const { return inner_.bucket_numels(); }
-  int shard_count() const { return groups_.first.size(); }
-  int shard_rank() const { return groups_.first.rank(); }
-  void gather_full_parameters() { inner_.gather_full_parameters(); }
-  void release_full_parameters(bool loaded) { inner_.release_full_parameters(loaded); }
-  void unshard_permanently() { inner_.unshard_permanently(); }
-  inner_type& shard_engine() { return inner_; }
+
+  /// Shards are cut over the shard group; the first group's ranks write them.
+  ShardLayout shard_layout() const {
+    auto layout = this->inner_.shard_layout();
+    layout.writer = groups.second.rank() == 0;
+    return layout;
+  }
+  /// The replicas hold equal shards: the norm is the shard group's.
+  NormReduction norm_reduction() { return {&shard_group(), {}}; }
+
+  inner_type& shard_engine() { return inner(); }
 
  private:
-  std::pair<comm::Communicator, comm::Communicator> groups_;  // (shard group, replicate group)
-  inner_type inner_;
+  inner_type& inner() { return this->inner_; }
+  comm::Communicator& shard_group() { return groups.first; }
+  comm::Communicator& replicate_group() { return groups.second; }
 };
 
 }  // namespace accel::strategy

@@ -11,6 +11,7 @@
 // done (the pipeline's schedule already leaves no idle time to overlap into).
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 
@@ -18,13 +19,18 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <unordered_set>
 
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/mesh.hpp"
 #include "accel/core/policies.hpp"
+#include "accel/nn/tensor_parallel_layer.hpp"
 #include "accel/pipeline/pipeline.hpp"
+#include "accel/strategy/engine.hpp"
 #include "accel/strategy/ddp.hpp"
 #include "accel/strategy/zero.hpp"
+#include "accel/strategy/zero3.hpp"
 
 namespace accel::strategy {
 
@@ -39,84 +45,108 @@ inline comm::MeshShape mesh_shape_for(int world, int tensor, int pipeline) {
 }
 }  // namespace detail
 
+// Base-from-member: the mesh exists before the data engine built on its data group.
+struct ParallelMesh {
+  comm::DeviceMesh mesh_;
+};
+
 template <class Data, class Precision, class Device>
-class ParallelEngine {
+class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Data::template engine<Precision, Device>> {
  public:
   using settings_type = Parallel<Data>;
   using data_engine_type = typename Data::template engine<Precision, Device>;
-  static constexpr bool shards_gradients = data_engine_type::shards_gradients;
+  static constexpr bool shards_optimizer_state = data_engine_type::shards_optimizer_state;
 
-  /// Checked before any rank connects, so every rank fails alike and at once.
   static void check_world(const Parallel<Data>& settings, int world_size) {
     detail::mesh_shape_for(world_size, settings.tensor, settings.pipeline);
+    // ZeRO-3 gathers a unit when its forward runs and frees it after; a
+    // pipeline runs a stage's forwards and backwards interleaved over
+    // micro-batches, which that life cycle does not follow.
+    if (std::is_same_v<Data, ZeRO<3>> && settings.pipeline > 1)
+      throw std::invalid_argument("accel Parallel<ZeRO<3>>: pipeline = " + std::to_string(settings.pipeline) +
+                                  ", but ZeRO-3 composes with tensor parallelism only: use Parallel<ZeRO<1>> or "
+                                  "Parallel<ZeRO<2>> with a pipeline");
   }
 
   ParallelEngine(const Parallel<Data>& settings, comm::Communicator& world)
-      : settings_(settings),
-        mesh_(world, detail::mesh_shape_for(world.size(), settings.tensor, settings.pipeline)),
-        data_(settings.data, mesh_.group(comm::MeshDim::data)) {}
+      : ParallelMesh{comm::DeviceMesh(world, detail::mesh_shape_for(world.size(), settings.tensor, settings.pipeline))},
+        ForwardingEngine<data_engine_type>(settings.data, mesh_.group(comm::MeshDim::data)),
+        settings_(settings) {
+    static_assert(complete_engine<ParallelEngine>);
+  }
 
   void prepare_model(torch::nn::Module& model) {
-    if (settings_.pipeline == 1) {
-      data_.prepare_model(model);
-      return;
+    torch::nn::Module* part = &model;
+    if (settings_.pipeline > 1) {
+      auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.shared_from_this());
+      if (!sequential)
+        throw std::invalid_argument("accel Parallel: pipeline parallelism splits a torch::nn::Sequential; this model is a " +
+                                    model.name());
+      pipeline_.emplace(torch::nn::Sequential(sequential), mesh_.group(comm::MeshDim::pipeline),
+                        pipeline::PipelineOptions{settings_.micro_batches, settings_.schedule});
+      stage_ = pipeline_->stage_module();
+      part = stage_.ptr().get();  // this rank's stage only: the other stages are other ranks'
     }
-    auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model.shared_from_this());
-    if (!sequential)
-      throw std::invalid_argument("accel Parallel: pipeline parallelism splits a torch::nn::Sequential; this model is a " +
-                                  model.name());
-    pipeline_.emplace(torch::nn::Sequential(sequential), mesh_.group(comm::MeshDim::pipeline),
-                      pipeline::PipelineOptions{settings_.micro_batches, settings_.schedule});
-    stage_ = pipeline_->stage_module();
-    data_.prepare_model(*stage_.ptr());  // this rank's stage only: the other stages are other ranks'
+    for (const auto& module : part->modules())
+      if (auto* layer = dynamic_cast<const nn::TensorParallelLayer*>(module.get()))
+        for (const auto& p : layer->split_parameters()) split_.insert(p.unsafeGetTensorImpl());
+    this->inner_.prepare_model(*part);
   }
-  void prepare_optimizer(torch::optim::Optimizer& optimizer) { data_.prepare_optimizer(optimizer); }
-  void before_backward(const at::Tensor& loss) { data_.before_backward(loss); }
-  void synchronize_gradients() { data_.synchronize_gradients(); }
-  void after_optimizer_step() { data_.after_optimizer_step(); }
-  void set_gradient_sync(bool sync) { data_.set_gradient_sync(sync); }
-  void zero_grad(torch::optim::Optimizer& optimizer) { data_.zero_grad(optimizer); }
-  const std::vector<at::Tensor>& optimizer_parameters() const { return data_.optimizer_parameters(); }
-  const std::vector<at::Tensor>& offloaded_parameters() const
-    requires requires(const data_engine_type& d) { d.offloaded_parameters(); }
-  {
-    return data_.offloaded_parameters();
+
+  /// Tensor and pipeline ranks hold different parts; data replicas the same.
+  ModelPart model_part(const comm::Communicator& world) const {
+    const auto& m = mesh_;
+    const int tensor = m.size(comm::MeshDim::tensor), pipeline = m.size(comm::MeshDim::pipeline);
+    if (tensor * pipeline == 1) return EngineDefaults::model_part(world);  // data parallel only: whole, as DDP's
+    return {m.coordinate(comm::MeshDim::tensor) + tensor * m.coordinate(comm::MeshDim::pipeline), tensor * pipeline,
+            m.coordinate(comm::MeshDim::data) == 0,
+            "tensor " + std::to_string(tensor) + " x pipeline " + std::to_string(pipeline)};
   }
-  const std::vector<at::Tensor>& device_shards() const
-    requires requires(const data_engine_type& d) { d.device_shards(); }
-  {
-    return data_.device_shards();
-  }
-  void parameters_loaded()
-    requires requires(data_engine_type& d) { d.parameters_loaded(); }
-  {
-    data_.parameters_loaded();
+
+  /// The global norm over the whole mesh: every pipeline stage's and every
+  /// tensor slice's gradients count, a parameter replicated over the tensor
+  /// group only on tensor rank 0, and an unsharded data engine's only on
+  /// its first replica.
+  NormReduction norm_reduction() {
+    NormReduction reduction{&mesh_.world(), {}};
+    const bool first_tensor = mesh_.coordinate(comm::MeshDim::tensor) == 0;
+    auto counted = [&](const at::Tensor& p) { return first_tensor || split_.contains(p.unsafeGetTensorImpl()); };
+    if constexpr (shards_optimizer_state) {
+      if (!first_tensor || settings_.tensor > 1) {
+        const auto layout = this->inner_.shard_layout();
+        reduction.masks = this->inner_.shard_masks(counted, layout.count, layout.rank);
+      }
+    } else {
+      const bool first_replica = mesh_.coordinate(comm::MeshDim::data) == 0;
+      for (const auto& p : this->optimizer_parameters())
+        reduction.masks.push_back(at::scalar_tensor(first_replica && counted(p) ? 1.0 : 0.0));
+    }
+    return reduction;
   }
 
   /// One pipelined step's forwards and backwards (NOTE [Pipeline schedules]);
   /// the data-parallel reduction is launched at its end. Returns the loss.
   template <class LossFn>
   double pipeline_step(const at::Tensor& inputs, const at::Tensor& targets, LossFn&& loss_fn) {
-    data_.set_gradient_sync(false);
-    data_.before_backward(at::Tensor());
+    this->inner_.set_gradient_sync(false);
+    this->inner_.before_backward(at::Tensor());
     const double loss = pipeline_->train_step(inputs, targets, std::forward<LossFn>(loss_fn));
-    data_.launch_all_buckets();
+    this->inner_.launch_all_buckets();
     return loss;
   }
   bool pipelined() const { return pipeline_.has_value(); }
 
+  comm::Communicator* tensor_group() { return &mesh_.group(comm::MeshDim::tensor); }
+  comm::Communicator* data_group() { return &mesh_.group(comm::MeshDim::data); }
   comm::DeviceMesh& mesh() { return mesh_; }
-  comm::Communicator& tensor_group() { return mesh_.group(comm::MeshDim::tensor); }
-  comm::Communicator& data_group() { return mesh_.group(comm::MeshDim::data); }
-  data_engine_type& data_engine() { return data_; }
+  data_engine_type& data_engine() { return this->inner_; }
   pipeline::Pipeline& pipeline() { return *pipeline_; }
 
  private:
   Parallel<Data> settings_;
-  comm::DeviceMesh mesh_;
-  data_engine_type data_;
   std::optional<pipeline::Pipeline> pipeline_;
   torch::nn::Sequential stage_{nullptr};
+  std::unordered_set<const void*> split_;  // TensorImpls of tensor-split parameters
 };
 
 }  // namespace accel::strategy

@@ -11,18 +11,21 @@
 
 #include "accel/comm/communicator.hpp"
 #include "accel/core/policies.hpp"
+#include "accel/strategy/engine.hpp"
 
 namespace accel::strategy {
 
 template <class Precision, class Device>
-class SingleProcessEngine {
+class SingleProcessEngine : public EngineDefaults {
  public:
   using settings_type = SingleProcess;
 
-  static constexpr bool shards_gradients = false;
+  static constexpr bool shards_optimizer_state = false;
 
   template <class Settings>
-  SingleProcessEngine(const Settings&, comm::Communicator&) {}
+  SingleProcessEngine(const Settings&, comm::Communicator&) {
+    static_assert(complete_engine<SingleProcessEngine>);
+  }
 
   void prepare_model(torch::nn::Module& model) {
     for (auto& p : model.parameters())

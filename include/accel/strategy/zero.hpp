@@ -42,9 +42,7 @@ template <int Stage, class Precision, class Device>
 class ZeROEngine : public BucketedEngineBase {
  public:
   using settings_type = ZeRO<Stage>;
-  /// Each rank holds a shard of the gradients the optimizer sees: global
-  /// norms are reduced over ranks.
-  static constexpr bool shards_gradients = true;
+  static constexpr bool shards_optimizer_state = true;
 
   ZeROEngine(const ZeRO<Stage>& settings, comm::Communicator& comm)
       : BucketedEngineBase(BucketSettings{settings.bucket_cap_mb, settings.first_bucket_cap_mb,
@@ -52,6 +50,7 @@ class ZeROEngine : public BucketedEngineBase {
                                           Stage == 1 ? "ZeRO<1>" : "ZeRO<2>"},
                            comm),
         offload_(settings.cpu_offload) {
+    static_assert(complete_engine<ZeROEngine>);
     state_->launch = [this](std::size_t b) { launch(b); };
   }
 
@@ -149,9 +148,10 @@ class ZeROEngine : public BucketedEngineBase {
     if (offload_.enabled()) offload_.parameters_from_device(shards_);
   }
 
-  /// How many shards the state is cut into, and which one this rank holds.
-  int shard_count() const { return state_->comm->size(); }
-  int shard_rank() const { return state_->comm->rank(); }
+  /// Rank r holds shard r of every bucket (NOTE [ZeRO shards]).
+  ShardLayout shard_layout() const { return {state_->comm->size(), state_->comm->rank(), true, bucket_numels()}; }
+  /// Each rank holds a shard of the gradients the optimizer sees.
+  NormReduction norm_reduction() { return {state_->comm, {}}; }
 
   /// Elements per bucket (without padding): the checkpoint's resharding map.
   std::vector<std::int64_t> bucket_numels() const {

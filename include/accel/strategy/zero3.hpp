@@ -274,7 +274,7 @@ template <class Precision, class Device>
 class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
  public:
   using settings_type = ZeRO<3>;
-  static constexpr bool shards_gradients = true;
+  static constexpr bool shards_optimizer_state = true;
 
   ZeROEngine(const ZeRO<3>& settings, comm::Communicator& comm)
       : BucketedEngineBase(BucketSettings{1e12, 1e12, settings.find_unused_parameters, false, comm.size(), "ZeRO<3>"},
@@ -288,6 +288,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     throw std::logic_error("accel ZeRO<3>: build with -DNDEBUG (meson's release/debugoptimized with b_ndebug), "
                            "as LibTorch itself is built");
 #endif
+    static_assert(complete_engine<ZeROEngine>);
     z3_->comm = &comm;
     state_->launch = [this](std::size_t b) { launch(b); };
   }
@@ -436,9 +437,9 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     if (offload_.enabled()) offload_.parameters_from_device(z3_->shards);
   }
 
-  /// How many shards the state is cut into, and which one this rank holds.
-  int shard_count() const { return state_->comm->size(); }
-  int shard_rank() const { return state_->comm->rank(); }
+  /// Rank r holds shard r of every bucket (NOTE [ZeRO shards]).
+  ShardLayout shard_layout() const { return {state_->comm->size(), state_->comm->rank(), true, bucket_numels()}; }
+  NormReduction norm_reduction() { return {state_->comm, {}}; }
 
   std::vector<std::int64_t> bucket_numels() const {
     std::vector<std::int64_t> out;
@@ -453,11 +454,11 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->gather(u);
     z3_->held = true;
   }
-  void release_full_parameters(bool loaded) {
+  void release_full_parameters(FullParameters what) {
     auto& z = *z3_;
     detail::BusyScope busy;
     z.held = false;
-    if (loaded) {
+    if (what == FullParameters::loaded) {
       c10::NoGradGuard no_grad;
       for (std::size_t b = 0; b < z.shards.size(); ++b) {
         const std::int64_t shard = z.shards[b].numel();

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# What accel costs a user's translation unit at compile time: the same small
+# training loop compiled (1) with only the LibTorch headers it needs, (2) with
+# accel's Trainer<DDP> including only <accel/trainer.hpp> and the DDP engine,
+# (3) through the umbrella <accel/accel.hpp>. Rounds interleave the three so
+# that machine noise hits them alike; the medians and the ratios to (1) are
+# printed. Uses the build's own compile flags, without ccache.
+#   bash bench/compile_time.sh [build-dir] [rounds]      (default: build 3)
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+build="${1:-build}"
+rounds="${2:-3}"
+python3 - "$build" "$rounds" "$here/compile_time" <<'PY'
+import json, shlex, statistics, subprocess, sys, time, os
+build, rounds, folder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+commands = json.load(open(os.path.join(build, "compile_commands.json")))
+entry = next(e for e in commands if e["file"].endswith("examples/mlp.cpp"))
+words = shlex.split(entry["command"])
+if words[0] == "ccache":
+    words = words[1:]
+flags, skip = [], False
+for w in words[1:]:
+    if skip:
+        skip = False
+        continue
+    if w in ("-o", "-MF", "-MQ", "-c"):
+        skip = True
+        continue
+    if w in ("-MD",) or w.endswith(".cpp"):
+        continue
+    flags.append(w)
+compiler = words[0]
+units = {"plain_loop.cpp": ("plain_loop.cpp", []), "accel_loop.cpp": ("accel_loop.cpp", []),
+         "accel_loop.cpp umbrella": ("accel_loop.cpp", ["-DACCEL_UMBRELLA"])}
+times = {u: [] for u in units}
+for r in range(rounds):
+    for u, (source, defines) in units.items():
+        start = time.monotonic()
+        subprocess.run([compiler] + flags + defines + ["-c", os.path.join(folder, source), "-o", "/dev/null"],
+                       cwd=entry["directory"], check=True)
+        times[u].append(time.monotonic() - start)
+base = statistics.median(times["plain_loop.cpp"])
+for u in units:
+    m = statistics.median(times[u])
+    print(f"{u:26s} median {m:6.1f} s over {rounds} rounds   ratio to plain_loop {m / base:4.2f}")
+PY

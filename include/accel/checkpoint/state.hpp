@@ -1,0 +1,483 @@
+#pragma once
+// save_state / load_state over a view of the trainer: compiled once, not per
+// Trainer<S, P, D>. The policies enter only through a few values (the
+// precision's name) and the engine's checkpoint hooks.
+//
+// NOTE [Checkpoint layout]
+// One directory per checkpoint (NOTE [Checkpoint commit] for how it is
+// committed). A model cut into parts by tensor or pipeline parallelism is
+// written part by part, each by the part's first data replica; a sharded
+// optimizer state shard by shard, each by its shard's first replica:
+//   model_<i>.pt | model_<i>_part_<p>.pt       the prepared models (ZeRO-3: gathered whole)
+//   optimizer.pt | optimizer_part_<p>.pt       replicated optimizer state
+//   optimizer_shard_<s>.pt | optimizer_part_<p>_shard_<s>.pt   sharded optimizer state
+//   random_states_<rank>.pt                    every rank's generator
+//   custom_checkpoint_<k>.pt                   register_for_checkpointing objects
+//   manifest.json                              the rest: steps, loaders, scaler, layout, file sizes
+// A checkpoint loads into the same cut of the model only (the manifest
+// names it); its optimizer shards reshard to another number of data ranks
+// (NOTE [Resharding optimizer state]).
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+#include <torch/serialize.h>
+
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "accel/checkpoint/files.hpp"
+#include "accel/comm/communicator.hpp"
+#include "accel/compat/torch_compat.hpp"
+#include "accel/data/loader.hpp"
+#include "accel/precision/grad_scaler.hpp"
+#include "accel/strategy/engine.hpp"
+
+namespace accel::checkpoint {
+
+/// The engine's part in a checkpoint (the Trainer adapts its engine to it).
+class EngineHooks {
+ public:
+  virtual ~EngineHooks() = default;
+  virtual strategy::ModelPart model_part(const comm::Communicator& world) const = 0;
+  /// Empty for an engine whose optimizer state is replicated.
+  virtual std::optional<strategy::ShardLayout> shard_layout() const = 0;
+  virtual const std::vector<at::Tensor>& optimizer_parameters() const = 0;
+  virtual void gather_full_parameters() = 0;
+  virtual void release_full_parameters(strategy::FullParameters) = 0;
+  virtual void parameters_loaded() = 0;
+};
+
+/// An object registered with register_for_checkpointing.
+struct CustomObject {
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> load;
+};
+
+struct StepCounters {
+  std::int64_t optimizer_steps = 0;
+  int micro_steps = 0;
+  std::int64_t scheduler_steps = 0;
+};
+
+/// What save and load read and write, by reference.
+struct TrainerView {
+  comm::Communicator& world;
+  comm::Communicator& data_group;  ///< the ranks that read different data
+  EngineHooks& engine;
+  const char* precision;
+  std::vector<std::shared_ptr<torch::nn::Module>>& models;
+  torch::optim::Optimizer* optimizer;
+  torch::optim::LRScheduler* scheduler;
+  StepCounters& counters;
+  precision::ScalerState& scaler;
+  std::vector<CustomObject>& custom;
+  std::vector<std::weak_ptr<data::LoaderPosition>>& loaders;
+};
+
+namespace detail {
+
+// File names of NOTE [Checkpoint layout]; the part is left out for a whole model.
+struct FileNames {
+  int parts = 1, part = 0;
+  std::string qualifier() const { return parts == 1 ? "" : "_part_" + std::to_string(part); }
+  std::string model(std::size_t i) const { return "model_" + std::to_string(i) + qualifier() + ".pt"; }
+  std::string optimizer() const { return "optimizer" + qualifier() + ".pt"; }
+  std::string optimizer_shard(int s) const {
+    return "optimizer" + qualifier() + "_shard_" + std::to_string(s) + ".pt";
+  }
+};
+
+inline FileNames names_for(const strategy::ModelPart& part) { return {part.count, part.index}; }
+
+// A flag as rank 0 sees it, on every rank.
+inline bool main_process_says(comm::Communicator& world, bool flag) {
+  if (!world.distributed()) return flag;
+  auto value = at::full({1}, flag ? 1.0f : 0.0f);
+  world.broadcast(value, 0, "broadcast of rank 0's decision");
+  return value.item<float>() != 0.0f;
+}
+
+// Every part's bucket sizes, indexed by part (a collective: the parts' ranks
+// hold different ones, rank 0 writes them all into the manifest).
+inline std::vector<std::vector<std::int64_t>> bucket_numels_by_part(comm::Communicator& world,
+                                                                    const strategy::ModelPart& part,
+                                                                    const std::vector<std::int64_t>& mine) {
+  if (part.count == 1 || !world.distributed()) return {mine};
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  auto length = at::full({1}, static_cast<std::int64_t>(mine.size()), i64);
+  std::int64_t longest = 0;
+  for (const auto& l : world.all_gather(length, "all-gather of checkpoint bucket counts"))
+    longest = std::max(longest, l.item<std::int64_t>());
+  auto row = at::full({longest + 1}, -1, i64);  // (part, numels..., -1 padding)
+  row[0] = part.index;
+  for (std::size_t b = 0; b < mine.size(); ++b) row[static_cast<std::int64_t>(b) + 1] = mine[b];
+  std::vector<std::vector<std::int64_t>> out(part.count);
+  for (const auto& r : world.all_gather(row, "all-gather of checkpoint bucket sizes")) {
+    std::vector<std::int64_t> numels;
+    for (std::int64_t b = 1; b <= longest && r[b].item<std::int64_t>() >= 0; ++b) numels.push_back(r[b].item<std::int64_t>());
+    out.at(r[0].item<std::int64_t>()) = numels;
+  }
+  return out;
+}
+
+// Module::load would `set_` each parameter to the loaded storage; copying
+// the values in place keeps every tensor's identity (DDP's gradient hooks
+// and the optimizer's state refer to them).
+inline void load_in_place(torch::nn::Module& module, torch::serialize::InputArchive& archive, const std::string& prefix) {
+  auto copy = [&](at::Tensor& into, const at::Tensor& saved, const std::string& name) {
+    if (saved.sizes() != into.sizes())
+      throw CheckpointError("parameter '" + prefix + name + "' has shape " + c10::str(saved.sizes()) +
+                            " in the checkpoint but " + c10::str(into.sizes()) + " in the prepared model");
+    into.copy_(saved);
+  };
+  for (auto& item : module.named_parameters(/*recurse=*/false)) {
+    at::Tensor saved;
+    archive.read(item.key(), saved);
+    copy(item.value(), saved, item.key());
+  }
+  for (auto& item : module.named_buffers(/*recurse=*/false)) {
+    at::Tensor saved;
+    archive.read(item.key(), saved, /*is_buffer=*/true);
+    copy(item.value(), saved, item.key());
+  }
+  for (auto& child : module.named_children()) {
+    torch::serialize::InputArchive sub;
+    archive.read(child.key(), sub);
+    load_in_place(*child.value(), sub, prefix + child.key() + ".");
+  }
+}
+
+// NOTE [Resharding optimizer state]
+// A ZeRO checkpoint holds one optimizer file per saved shard, each with the
+// state of that shard of every bucket. To resume on another number of
+// ranks, each rank loads every saved file into the user's optimizer
+// (pointed for the moment at stand-in tensors of the saved shard sizes),
+// reads each state back through its own serialisation, concatenates the
+// per-element tensors of all saved shards, drops the old padding, pads for
+// the new number of shards and keeps its own slice; other entries (Adam's
+// step) are taken from saved shard 0. Any elementwise torch::optim optimizer works.
+inline void reshard_optimizer_state(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& mine,
+                                    const strategy::ShardLayout& now, int saved_shards,
+                                    const std::function<std::filesystem::path(int)>& shard_file) {
+  const auto& numels = now.bucket_numels;  // (checked equal to the saved ones)
+  auto& groups = optimizer.param_groups();
+  std::vector<std::vector<at::Tensor>> original;
+  for (auto& group : groups) original.push_back(group.params());
+  auto bucket_of = [&](const at::Tensor& t) {
+    for (std::size_t b = 0; b < mine.size(); ++b)
+      if (mine[b].is_same(t)) return b;
+    throw std::logic_error("accel: optimizer parameter that is no ZeRO shard");
+  };
+  auto key = [&](const at::Tensor& t) { return compat::optimizer_state_key(optimizer, t); };
+  // saved[s][b]: saved shard s's state of bucket b, serialised; proto[b]: a state object of the right type
+  std::vector<std::vector<std::string>> saved(saved_shards, std::vector<std::string>(mine.size()));
+  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> proto(mine.size());
+  for (int s = 0; s < saved_shards; ++s) {
+    std::vector<at::Tensor> stand_in(mine.size());
+    for (std::size_t b = 0; b < mine.size(); ++b) {
+      const std::int64_t padded = (numels[b] + saved_shards - 1) / saved_shards * saved_shards;
+      stand_in[b] = at::zeros({padded / saved_shards}, mine[b].options());
+    }
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      groups[g].params().clear();
+      for (const auto& p : original[g]) groups[g].params().push_back(stand_in[bucket_of(p)]);
+    }
+    optimizer.state().clear();
+    torch::load(optimizer, shard_file(s).string());
+    for (std::size_t b = 0; b < mine.size(); ++b) {
+      auto it = optimizer.state().find(key(stand_in[b]));
+      if (it == optimizer.state().end()) continue;  // never stepped
+      torch::serialize::OutputArchive out;
+      it->second->serialize(out);
+      std::ostringstream bytes;
+      out.save_to(bytes);
+      saved[s][b] = bytes.str();
+      if (s == 0) proto[b] = it->second->clone();
+    }
+  }
+  optimizer.state().clear();
+  for (std::size_t g = 0; g < groups.size(); ++g) groups[g].params() = original[g];
+  for (std::size_t b = 0; b < mine.size(); ++b) {
+    if (!proto[b]) continue;
+    std::vector<torch::serialize::InputArchive> shards(saved_shards);
+    for (int s = 0; s < saved_shards; ++s) {
+      std::istringstream bytes(saved[s][b]);
+      shards[s].load_from(bytes);
+    }
+    const std::int64_t saved_shard = (numels[b] + saved_shards - 1) / saved_shards;
+    const std::int64_t shard = mine[b].numel();
+    torch::serialize::OutputArchive merged;
+    for (const auto& name : shards[0].keys()) {
+      c10::IValue first;
+      shards[0].read(name, first);
+      if (first.isTensor() && first.toTensor().dim() == 1 && first.toTensor().numel() == saved_shard) {
+        std::vector<at::Tensor> parts;
+        for (int s = 0; s < saved_shards; ++s) {
+          c10::IValue part;
+          shards[s].read(name, part);
+          parts.push_back(part.toTensor());
+        }
+        // (numels[b],) the whole bucket's state, then (shard,) this rank's slice of it re-padded
+        auto full = at::cat(parts).narrow(0, 0, numels[b]);
+        auto padded = at::zeros({shard * now.count}, full.options());
+        padded.narrow(0, 0, numels[b]).copy_(full);
+        merged.write(name, padded.narrow(0, now.rank * shard, shard).clone());
+      } else {
+        merged.write(name, first);
+      }
+    }
+    std::stringstream bytes;
+    merged.save_to(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    proto[b]->serialize(in);
+    optimizer.state()[key(mine[b])] = std::move(proto[b]);
+  }
+}
+
+inline nlohmann::json describe(TrainerView& t, const strategy::ModelPart& part,
+                               const std::optional<strategy::ShardLayout>& shards,
+                               const std::vector<std::vector<std::int64_t>>& numels_by_part) {
+  nlohmann::json m;
+  m["format_version"] = format_version;
+  m["world_size"] = t.world.size();
+  m["data_world_size"] = t.data_group.size();
+  m["model_parts"] = part.count;
+  m["model_layout"] = part.layout;
+  m["replicated"] = !shards.has_value();
+  if (shards) {
+    m["bucket_numels"] = numels_by_part.front();
+    m["bucket_numels_by_part"] = numels_by_part;
+    m["shard_count"] = shards->count;
+  }
+  m["mixed_precision"] = t.precision;
+  m["optimizer_steps"] = t.counters.optimizer_steps;
+  m["micro_steps"] = t.counters.micro_steps;
+  m["scheduler_steps"] = t.counters.scheduler_steps;
+  m["loss_scale"] = t.scaler.scale;
+  m["growth_tracker"] = t.scaler.growth_tracker;
+  m["has_optimizer"] = t.optimizer != nullptr;
+  m["custom_objects"] = t.custom.size();
+  m["models"] = nlohmann::json::array();
+  for (const auto& model : t.models) {
+    nlohmann::json shapes = nlohmann::json::object();
+    for (const auto& item : model->named_parameters()) shapes[item.key()] = item.value().sizes().vec();
+    m["models"].push_back(shapes);
+  }
+  m["loaders"] = nlohmann::json::array();
+  for (const auto& weak : t.loaders) {
+    auto position = weak.lock();
+    if (!position) continue;
+    m["loaders"].push_back({{"epoch", position->epoch}, {"next_batch", position->next_batch},
+                            {"batch_size", position->batch_size}});
+  }
+  return m;
+}
+
+inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
+  const auto m = read_manifest(dir);
+  const auto where = "accel: checkpoint " + dir.string() + ": ";
+  const auto part = t.engine.model_part(t.world);
+  const auto shards = t.engine.shard_layout();
+  const auto names = names_for(part);
+  const int saved_parts = m.value("model_parts", 1);
+  const std::string saved_layout = m.value("model_layout", std::string("whole"));
+  if (saved_parts != part.count || saved_layout != part.layout)
+    throw CheckpointError(where + "holds the model cut as " + saved_layout + " (" + std::to_string(saved_parts) +
+                          " part(s)), but this trainer cuts it as " + part.layout + " (" + std::to_string(part.count) +
+                          " part(s)): load it with the tensor and pipeline sizes it was saved with");
+  if (m.at("models").size() != t.models.size())
+    throw CheckpointError(where + "holds " + std::to_string(m.at("models").size()) + " model(s) but " +
+                          std::to_string(t.models.size()) + " were prepared");
+  for (std::size_t i = 0; part.count == 1 && i < t.models.size(); ++i) {  // a cut model: each part checked on load
+    const auto& saved = m.at("models")[i];
+    for (const auto& item : t.models[i]->named_parameters()) {
+      if (!saved.contains(item.key()))
+        throw CheckpointError(where + "model " + std::to_string(i) + " has no parameter '" + item.key() + "'");
+      const auto shape = saved.at(item.key()).get<std::vector<std::int64_t>>();
+      if (shape != item.value().sizes().vec())
+        throw CheckpointError(where + "parameter '" + item.key() + "' has shape " + saved.at(item.key()).dump() +
+                              " in the checkpoint but " + c10::str(item.value().sizes()) + " in the prepared model");
+    }
+  }
+  if (m.value("mixed_precision", "") != std::string(t.precision) && std::string(t.precision) == "fp16")
+    throw CheckpointError(where + "was written without FP16 loss scaling; this Trainer is FP16");
+  const std::int64_t saved_scheduler_steps = m.at("scheduler_steps").get<std::int64_t>();
+  if (t.scheduler != nullptr && t.counters.scheduler_steps > saved_scheduler_steps)
+    throw CheckpointError(where + "call load_state before training: the scheduler has already stepped");
+  // Restoring must not be recorded by autograd, and must write in place
+  // (DDP's gradient views and the optimizer refer to these tensors).
+  c10::NoGradGuard no_grad;
+  t.engine.gather_full_parameters();
+  for (std::size_t i = 0; i < t.models.size(); ++i) {
+    torch::serialize::InputArchive archive;
+    archive.load_from((dir / names.model(i)).string());
+    try {
+      load_in_place(*t.models[i], archive, "");
+    } catch (const CheckpointError& e) {
+      throw CheckpointError(where + names.model(i) + ": " + e.what());
+    }
+  }
+  t.engine.release_full_parameters(strategy::FullParameters::loaded);
+  t.engine.parameters_loaded();  // cpu_offload's host twins
+  // LibTorch's LRScheduler exposes no state: replay its steps (the
+  // optimizer's learning rates are then overwritten by the saved ones).
+  if (t.scheduler != nullptr)
+    for (; t.counters.scheduler_steps < saved_scheduler_steps; ++t.counters.scheduler_steps) t.scheduler->step();
+  if (t.optimizer != nullptr) {
+    if (!m.value("has_optimizer", false))
+      throw CheckpointError(where + "holds no optimizer state, but an optimizer was prepared");
+    const bool sharded = !m.at("replicated").get<bool>();
+    if (sharded != shards.has_value())
+      throw CheckpointError(where + (sharded ? "holds ZeRO-sharded optimizer state; load it with a ZeRO strategy"
+                                             : "holds unsharded (DDP) optimizer state; load it with DDP or "
+                                               "SingleProcess"));
+    if (shards) {
+      const auto saved_numels = m.contains("bucket_numels_by_part")
+                                    ? m.at("bucket_numels_by_part").at(part.index).get<std::vector<std::int64_t>>()
+                                    : m.at("bucket_numels").get<std::vector<std::int64_t>>();
+      if (saved_numels != shards->bucket_numels)
+        throw CheckpointError(where + "its ZeRO buckets hold " + nlohmann::json(saved_numels).dump() +
+                              " elements, this trainer's a different layout: use the same bucket_cap_mb and model");
+      const int saved_shards = m.at("shard_count").get<int>();
+      if (saved_shards == shards->count)
+        torch::load(*t.optimizer, (dir / names.optimizer_shard(shards->rank)).string());
+      else
+        reshard_optimizer_state(*t.optimizer, t.engine.optimizer_parameters(), *shards, saved_shards,
+                                [&](int s) { return dir / names.optimizer_shard(s); });
+    } else {
+      torch::load(*t.optimizer, (dir / names.optimizer()).string());
+    }
+  }
+  if (m.at("custom_objects").get<std::size_t>() != t.custom.size())
+    throw CheckpointError(where + "holds " + m.at("custom_objects").dump() + " registered object(s) but " +
+                          std::to_string(t.custom.size()) + " are registered");
+  for (std::size_t i = 0; i < t.custom.size(); ++i) {
+    torch::serialize::InputArchive archive;
+    archive.load_from((dir / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string());
+    t.custom[i].load(archive);
+  }
+  t.scaler = {m.at("loss_scale").get<double>(), m.at("growth_tracker").get<std::int64_t>()};
+  // Each rank its own RNG stream; on more ranks than saved, rank r takes r mod saved.
+  const int saved_world = m.at("world_size").get<int>();
+  {
+    std::vector<at::Tensor> rng;
+    torch::load(rng, (dir / ("random_states_" + std::to_string(t.world.rank() % saved_world) + ".pt")).string());
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(rng.at(0));
+  }
+  // Data position: in samples read by the data ranks together, so that a
+  // run resumed on another number of them skips what the whole job had read.
+  const int saved_readers = m.value("data_world_size", saved_world);
+  std::size_t k = 0;
+  for (const auto& weak : t.loaders) {
+    auto position = weak.lock();
+    if (!position) continue;
+    if (k >= m.at("loaders").size())
+      throw CheckpointError(where + "holds the position of " + std::to_string(m.at("loaders").size()) +
+                            " data loader(s) but more were prepared");
+    const auto& saved = m.at("loaders")[k++];
+    const std::int64_t read =
+        saved.at("next_batch").get<std::int64_t>() * saved.at("batch_size").get<std::int64_t>() * saved_readers;
+    position->epoch = saved.at("epoch").get<std::int64_t>();
+    position->skip = read / (position->batch_size * t.data_group.size());
+    position->next_batch = position->skip;
+  }
+  t.counters.optimizer_steps = m.at("optimizer_steps").get<std::int64_t>();
+  t.counters.micro_steps = m.at("micro_steps").get<int>();
+}
+
+}  // namespace detail
+
+/// Saves everything needed to resume exactly (NOTE [Checkpoint layout],
+/// NOTE [Checkpoint commit]). Every rank calls it.
+inline void save_state(TrainerView& t, const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  const bool main = t.world.rank() == 0;
+  // Rank 0 decides (another rank could see the directory rank 0 just made).
+  const bool replace = detail::main_process_says(t.world, fs::exists(dir));
+  const fs::path target = replace ? fs::path(dir.string() + ".staging") : dir;
+  if (main) {
+    fs::remove_all(target);
+    fs::create_directories(target);
+  }
+  t.world.barrier();
+  {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::vector<at::Tensor> rng;
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      rng.push_back(generator.get_state());
+    }
+    torch::save(rng, (target / ("random_states_" + std::to_string(t.world.rank()) + ".pt")).string());
+  }
+  const auto part = t.engine.model_part(t.world);
+  const auto shards = t.engine.shard_layout();
+  const auto names = detail::names_for(part);
+  if (t.optimizer != nullptr && shards && shards->writer)
+    torch::save(*t.optimizer, (target / names.optimizer_shard(shards->rank)).string());
+  // ZeRO-3 holds only shards: every rank helps gather the full model first.
+  t.engine.gather_full_parameters();
+  if (part.writer) {
+    for (std::size_t i = 0; i < t.models.size(); ++i) torch::save(t.models[i], (target / names.model(i)).string());
+    if (t.optimizer != nullptr && !shards) torch::save(*t.optimizer, (target / names.optimizer()).string());
+  }
+  if (main)
+    for (std::size_t i = 0; i < t.custom.size(); ++i) {
+      torch::serialize::OutputArchive archive;
+      t.custom[i].save(archive);
+      archive.save_to((target / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string());
+    }
+  t.engine.release_full_parameters(strategy::FullParameters::unchanged);
+  const auto numels = shards ? detail::bucket_numels_by_part(t.world, part, shards->bucket_numels)
+                             : std::vector<std::vector<std::int64_t>>{};
+  t.world.barrier();
+  if (main) {
+    auto manifest = detail::describe(t, part, shards, numels);
+    manifest["files"] = file_sizes(target);
+    write_atomically(target / manifest_name, manifest.dump(2));
+    if (replace) {
+      const fs::path old = dir.string() + ".old";
+      fs::remove_all(old);
+      fs::rename(dir, old);
+      fs::rename(target, dir);
+      fs::remove_all(old);
+    }
+  }
+  t.world.barrier();
+}
+
+/// Restores a checkpoint written by save_state. Every rank checks it; if any
+/// rank cannot load it, all of them throw, naming the problem.
+inline void load_state(TrainerView& t, const std::filesystem::path& dir) {
+  std::string error;
+  try {
+    detail::load_here(t, dir);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (t.world.distributed()) {
+    auto failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
+    t.world.all_reduce(failed, "agreement on load_state");
+    if (error.empty() && failed.item<float>() > 0)
+      error = "accel: another rank could not load checkpoint " + dir.string() + " (see its error)";
+  }
+  if (!error.empty()) throw CheckpointError("rank " + std::to_string(t.world.rank()) + ": " + error);
+}
+
+}  // namespace accel::checkpoint

@@ -1,0 +1,137 @@
+#pragma once
+// What `accel launch` tells the ranks through the environment, read back:
+// gradient accumulation, mixed precision and the FSDP settings (the names
+// are in launch/variables.hpp, which the command line shares). A setting
+// that contradicts the compiled policies, or cannot be read, is a
+// ConfigurationError naming the variable. Compiled once; only
+// with_launcher_fsdp_settings sees the Strategy type.
+
+#include <algorithm>
+#include <cctype>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include "accel/comm/environment.hpp"
+#include "accel/core/errors.hpp"
+#include "accel/core/policies.hpp"
+#include "accel/launch/variables.hpp"
+
+namespace accel::launch {
+
+inline int accumulation_steps(const std::optional<int>& configured) {
+  auto from_env = comm::process_environment(variables::gradient_accumulation_steps);
+  int steps = 1;
+  if (configured) {
+    steps = *configured;
+  } else if (from_env) {
+    try {
+      steps = std::stoi(*from_env);
+    } catch (const std::exception&) {
+      throw ConfigurationError("accel: ACCELERATE_GRADIENT_ACCUMULATION_STEPS='" + *from_env + "' is not an integer");
+    }
+  }
+  if (steps < 1)
+    throw ConfigurationError("accel: gradient_accumulation_steps must be at least 1, got " + std::to_string(steps));
+  return steps;
+}
+
+// Where an ACCELERATE_* variable set by `accel launch` disagrees with the
+// compiled policy, say so instead of silently training in another precision.
+inline void check_launcher_precision(const char* compiled) {
+  auto requested = comm::process_environment(variables::mixed_precision);
+  if (requested && *requested != compiled)
+    throw ConfigurationError(std::string("accel: the launcher asked for mixed_precision=") + *requested +
+                             " but this program's Trainer is compiled with mixed_precision=" + compiled +
+                             ": change the Trainer's Precision policy or the --mixed_precision flag");
+}
+
+// `accel launch` with an fsdp_config exports FSDP_SHARDING_STRATEGY (a name,
+// or Accelerate's older 1-4 numbering); it must name the compiled strategy.
+// `compiled`: the strategy's FSDP name, nullptr if it is not an FSDP strategy.
+inline void check_launcher_sharding(const char* compiled) {
+  auto requested = comm::process_environment(variables::fsdp_sharding_strategy);
+  if (!requested) return;
+  static const char* numbered[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"};
+  std::string name = *requested;
+  if (name.size() == 1 && name[0] >= '1' && name[0] <= '4') name = numbered[name[0] - '1'];
+  if (compiled == nullptr || name != compiled)
+    throw ConfigurationError("accel: the launcher asked for fsdp_sharding_strategy=" + name +
+                             " but this program's Trainer strategy is " +
+                             (compiled ? std::string("FSDP ") + compiled : std::string("not an FSDP strategy")) +
+                             ": use accel::FSDP<accel::ShardingStrategy::" + name + "> or change the config");
+}
+
+// `accel launch` with an fsdp_config exports Accelerate's FSDP_* variables;
+// as Accelerate's FSDP plugin does, they set the strategy's fields:
+//   FSDP_OFFLOAD_PARAMS            true/false  -> cpu_offload (any ZeRO stage, HybridShard)
+//   FSDP_AUTO_WRAP_POLICY          NO_WRAP | SIZE_BASED_WRAP | TRANSFORMER_BASED_WRAP   (ZeRO-3 units)
+//   FSDP_MIN_NUM_PARAMS            an integer                                           (SIZE_BASED_WRAP)
+//   FSDP_TRANSFORMER_CLS_TO_WRAP   class names, comma-separated                         (TRANSFORMER_BASED_WRAP)
+// A value that cannot be read, or offload for a strategy that shards no
+// optimizer state, is a ConfigurationError naming the variable.
+inline bool launcher_flag(const char* name) {
+  auto value = comm::process_environment(name);
+  if (!value) return false;
+  std::string v = *value;
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "true" || v == "1") return true;
+  if (v == "false" || v == "0" || v.empty()) return false;
+  throw ConfigurationError(std::string("accel: ") + name + "='" + *value + "' is not true or false");
+}
+
+inline void apply_launcher_wrap_policy(ZeRO<3>& zero) {
+  if (auto policy = comm::process_environment(variables::fsdp_auto_wrap_policy)) {
+    if (*policy == "NO_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::NO_WRAP;
+    else if (*policy == "SIZE_BASED_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP;
+    else if (*policy == "TRANSFORMER_BASED_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
+    else
+      throw ConfigurationError("accel: FSDP_AUTO_WRAP_POLICY='" + *policy +
+                               "' is not NO_WRAP, SIZE_BASED_WRAP or TRANSFORMER_BASED_WRAP");
+  }
+  if (auto count = comm::process_environment(variables::fsdp_min_num_params)) {
+    std::size_t used = 0;
+    long long n = -1;
+    try {
+      n = std::stoll(*count, &used);
+    } catch (const std::exception&) {
+    }
+    if (n < 0 || used != count->size())
+      throw ConfigurationError("accel: FSDP_MIN_NUM_PARAMS='" + *count + "' is not a non-negative integer");
+    zero.min_num_params = n;
+  }
+  if (auto classes = comm::process_environment(variables::fsdp_transformer_cls_to_wrap)) {
+    zero.transformer_layer_cls_to_wrap.clear();
+    std::stringstream list(*classes);
+    for (std::string name; std::getline(list, name, ',');) {
+      name.erase(0, name.find_first_not_of(" \t"));
+      name.erase(name.find_last_not_of(" \t") + 1);
+      if (!name.empty()) zero.transformer_layer_cls_to_wrap.push_back(name);
+    }
+  }
+}
+
+template <class Strategy>
+Strategy with_launcher_fsdp_settings(Strategy strategy) {
+  if constexpr (std::is_same_v<Strategy, ZeRO<3>>) apply_launcher_wrap_policy(strategy);
+  if constexpr (requires { strategy.zero; }) apply_launcher_wrap_policy(strategy.zero);
+  if (!launcher_flag(variables::fsdp_offload_params)) return strategy;
+  if constexpr (requires { strategy.cpu_offload; }) strategy.cpu_offload = true;
+  else if constexpr (requires { strategy.zero.cpu_offload; }) strategy.zero.cpu_offload = true;
+  else
+    throw ConfigurationError("accel: the launcher asked for fsdp_offload_params=true but this program's Trainer "
+                             "strategy shards no optimizer state: use accel::ZeRO<N> or an accel::FSDP strategy");
+  return strategy;
+}
+
+
+/// The launcher's checks for a Trainer<Strategy, Precision, ...>.
+template <class Strategy, class Precision>
+void check_launcher_settings() {
+  check_launcher_precision(Precision::name);
+  if constexpr (requires { Strategy::fsdp_sharding_strategy; }) check_launcher_sharding(Strategy::fsdp_sharding_strategy);
+  else check_launcher_sharding(nullptr);
+}
+
+}  // namespace accel::launch

@@ -1,0 +1,29 @@
+#pragma once
+// The environment variables `accel launch` sets for its ranks and the
+// library reads back: one table, shared by the command line and the Trainer
+// (torch-free). Accelerate's names, so that its users' scripts and configs
+// carry over.
+
+#include <array>
+#include <string_view>
+
+namespace accel::launch::variables {
+
+inline constexpr const char* mixed_precision = "ACCELERATE_MIXED_PRECISION";
+inline constexpr const char* gradient_accumulation_steps = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
+inline constexpr const char* use_cpu = "ACCELERATE_USE_CPU";
+inline constexpr const char* debug_mode = "ACCELERATE_DEBUG_MODE";
+inline constexpr const char* cpu_affinity = "ACCELERATE_CPU_AFFINITY";
+inline constexpr const char* use_fsdp = "ACCELERATE_USE_FSDP";
+inline constexpr const char* fsdp_sharding_strategy = "FSDP_SHARDING_STRATEGY";
+inline constexpr const char* fsdp_offload_params = "FSDP_OFFLOAD_PARAMS";
+inline constexpr const char* fsdp_auto_wrap_policy = "FSDP_AUTO_WRAP_POLICY";
+inline constexpr const char* fsdp_min_num_params = "FSDP_MIN_NUM_PARAMS";
+inline constexpr const char* fsdp_transformer_cls_to_wrap = "FSDP_TRANSFORMER_CLS_TO_WRAP";
+
+/// fsdp_config keys whose variable is not simply the key in capitals.
+inline constexpr std::array<std::pair<std::string_view, std::string_view>, 1> fsdp_renamed = {{
+    {"fsdp_transformer_layer_cls_to_wrap", fsdp_transformer_cls_to_wrap},
+}};
+
+}  // namespace accel::launch::variables

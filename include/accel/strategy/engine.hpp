@@ -1,0 +1,189 @@
+#pragma once
+// The engine contract: what the Trainer may ask of a strategy's engine.
+//
+// NOTE [Engine contract]
+// A strategy tag names its engine (`S::engine<Precision, Device>`); the
+// Trainer talks to that engine only through the members below, called
+// unconditionally, never probed with `requires`: a missing piece is a compile
+// error at the engine, not a silent no-op at run time.
+//   Required of every engine (concept `engine`):
+//     settings_type, shards_optimizer_state,
+//     prepare_model, prepare_optimizer, before_backward, synchronize_gradients,
+//     after_optimizer_step, set_gradient_sync, zero_grad, optimizer_parameters.
+//   Required of an engine whose optimizer state is cut over ranks
+//   (shards_optimizer_state = true; concept `sharded_engine`):
+//     shard_layout(): how many shards, which one is this rank's, the bucket
+//     sizes (what a checkpoint needs to reshard it).
+//   Customisation points, with the defaults EngineDefaults documents below:
+//     forward hooks, the full-parameter life cycle of checkpoints, the model
+//     part this rank holds, the groups of a mesh, gradient-norm reduction,
+//     the pipelined step, cpu_offload's host tensors.
+// An engine that wraps another (HybridShard around ZeRO-3, Parallel around
+// its data engine) derives from ForwardingEngine, which forwards every
+// customisation point to the inner engine: a point added here is forwarded
+// by wrappers without anyone remembering to.
+
+#include <ATen/core/Tensor.h>
+
+#include <concepts>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "accel/comm/communicator.hpp"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace accel::strategy {
+
+/// How a sharded engine cuts the optimizer's state over ranks.
+struct ShardLayout {
+  int count = 1;  ///< shards the state is cut into
+  int rank = 0;   ///< the shard this rank holds
+  /// Whether this rank writes its shard to a checkpoint (replicas holding
+  /// the same shard, HybridShard's other groups, do not).
+  bool writer = true;
+  /// Elements per bucket before padding: the map for resharding.
+  std::vector<std::int64_t> bucket_numels;
+};
+
+/// Which part of the model this rank holds: tensor and pipeline parallelism
+/// cut the model into parts, data-parallel replicas hold the same part.
+struct ModelPart {
+  int index = 0;
+  int count = 1;
+  /// Whether this rank writes the part to a checkpoint (its first replica).
+  bool writer = true;
+  /// How the model is cut, to name it when a checkpoint's cut differs.
+  std::string layout = "whole";
+};
+
+/// Which ranks' gradient-norm contributions make up the global norm.
+struct NormReduction {
+  /// Reduce the partial norms over this group (nullptr: every rank already
+  /// holds every gradient, the local norm is the global one).
+  comm::Communicator* group = nullptr;
+  /// Per optimizer parameter, a 0/1 mask (a scalar, or one per element)
+  /// that excludes what an equal copy on another rank counts already (a
+  /// replica). Empty: everything counted.
+  std::vector<at::Tensor> masks;
+};
+
+/// Whether the full parameters, gathered for a checkpoint, were overwritten
+/// (a load: each rank's shard must be taken from them) or only read.
+enum class FullParameters { unchanged, loaded };
+
+/// The customisation points' defaults, for an engine that needs nothing
+/// there: it derives from this and hides what it implements.
+class EngineDefaults {
+ public:
+  /// Checked before any rank connects, so every rank fails alike and at once.
+  template <class Settings>
+  static void check_world(const Settings&, int /*world_size*/) {}
+  /// Around the user's forward pass (ZeRO-3 gathers and frees parameters there).
+  void before_forward() {}
+  void after_forward() {}
+  /// Checkpoints: every rank calls gather, then release; the full model is in
+  /// the prepared module between them. Default: it always is.
+  void gather_full_parameters() {}
+  void release_full_parameters(FullParameters) {}
+  /// The model's parameters were overwritten (a checkpoint was loaded).
+  void parameters_loaded() {}
+  /// unwrap_model: the model whole on every rank, for good.
+  void unshard_permanently() {}
+  /// cpu_offload's host tensors the optimizer steps, and the device shards they mirror.
+  const std::vector<at::Tensor>& offloaded_parameters() const { return none(); }
+  const std::vector<at::Tensor>& device_shards() const { return none(); }
+  /// Default: every rank holds the whole model; the world's rank 0 writes it.
+  ModelPart model_part(const comm::Communicator& world) const { return {0, 1, world.rank() == 0, "whole"}; }
+  /// Default: the local gradient norm is the global one.
+  NormReduction norm_reduction() { return {}; }
+  /// The ranks that read different data, and the group tensor-parallel
+  /// layers use (nullptr: the world, and one rank).
+  comm::Communicator* data_group() { return nullptr; }
+  comm::Communicator* tensor_group() { return nullptr; }
+  /// Pipeline parallelism runs its own schedule of forwards and backwards.
+  bool pipelined() const { return false; }
+  template <class LossFn>
+  double pipeline_step(const at::Tensor&, const at::Tensor&, LossFn&&) {
+    throw std::logic_error("accel: pipeline_step on an engine without pipeline parallelism");
+  }
+
+ protected:
+  static const std::vector<at::Tensor>& none() {
+    static const std::vector<at::Tensor> empty;
+    return empty;
+  }
+};
+
+/// What every engine provides.
+template <class E>
+concept engine = std::derived_from<E, EngineDefaults> &&
+                 requires(E& e, const E& ce, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                          const at::Tensor& loss) {
+                   typename E::settings_type;
+                   { E::shards_optimizer_state } -> std::convertible_to<bool>;
+                   e.prepare_model(model);
+                   e.prepare_optimizer(optimizer);
+                   e.before_backward(loss);
+                   e.synchronize_gradients();
+                   e.after_optimizer_step();
+                   e.set_gradient_sync(true);
+                   e.zero_grad(optimizer);
+                   { ce.optimizer_parameters() } -> std::same_as<const std::vector<at::Tensor>&>;
+                 };
+
+/// An engine whose optimizer state is cut over ranks, and says how.
+template <class E>
+concept sharded_engine = engine<E> && E::shards_optimizer_state && requires(const E& e) {
+  { e.shard_layout() } -> std::same_as<ShardLayout>;
+};
+
+/// The check every engine passes where it is defined: the contract, and a
+/// shard layout exactly when it shards the optimizer state.
+template <class E>
+concept complete_engine = engine<E> && (E::shards_optimizer_state == sharded_engine<E>);
+
+/// The customisation points of an engine that wraps `Inner`, forwarded to it.
+/// The wrapper constructs `inner_` and overrides what it changes.
+template <class Inner>
+class ForwardingEngine : public EngineDefaults {
+ public:
+  template <class... Args>
+  explicit ForwardingEngine(Args&&... args) : inner_(std::forward<Args>(args)...) {}
+
+  void before_forward() { inner_.before_forward(); }
+  void after_forward() { inner_.after_forward(); }
+  void gather_full_parameters() { inner_.gather_full_parameters(); }
+  void release_full_parameters(FullParameters what) { inner_.release_full_parameters(what); }
+  void parameters_loaded() { inner_.parameters_loaded(); }
+  void unshard_permanently() { inner_.unshard_permanently(); }
+  const std::vector<at::Tensor>& offloaded_parameters() const { return inner_.offloaded_parameters(); }
+  const std::vector<at::Tensor>& device_shards() const { return inner_.device_shards(); }
+  NormReduction norm_reduction() { return inner_.norm_reduction(); }
+  ModelPart model_part(const comm::Communicator& world) const { return inner_.model_part(world); }
+  ShardLayout shard_layout() const
+    requires sharded_engine<Inner>
+  {
+    return inner_.shard_layout();
+  }
+
+  void prepare_optimizer(torch::optim::Optimizer& optimizer) { inner_.prepare_optimizer(optimizer); }
+  void before_backward(const at::Tensor& loss) { inner_.before_backward(loss); }
+  void synchronize_gradients() { inner_.synchronize_gradients(); }
+  void after_optimizer_step() { inner_.after_optimizer_step(); }
+  void set_gradient_sync(bool sync) { inner_.set_gradient_sync(sync); }
+  void zero_grad(torch::optim::Optimizer& optimizer) { inner_.zero_grad(optimizer); }
+  const std::vector<at::Tensor>& optimizer_parameters() const { return inner_.optimizer_parameters(); }
+
+ protected:
+  Inner inner_;
+};
+
+}  // namespace accel::strategy

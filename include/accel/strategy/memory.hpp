@@ -1,0 +1,108 @@
+#pragma once
+// What model state a rank holds, counted from the tensors themselves
+// (distinct storages), for Trainer::model_state_bytes. Compiled once: the
+// engine enters only through the tensors it names.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize.h>
+
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <unordered_set>
+#include <vector>
+
+#include "accel/compat/torch_compat.hpp"
+
+namespace accel {
+
+/// Bytes of model state this rank holds (the ZeRO paper's accounting):
+/// parameter storage, gradient storage, and the optimizer's per-element state
+/// (scalar counters such as Adam's step are not counted).
+struct ModelStateBytes {
+  // Held on the training device (for a CPU device: all of it, except what
+  // the offload fields below count).
+  std::int64_t parameters = 0;
+  std::int64_t gradients = 0;
+  std::int64_t optimizer_state = 0;
+  // Held in host memory by cpu_offload (NOTE [CPU offload]): the shards'
+  // host twins the optimizer steps, their gradients, and the optimizer state.
+  std::int64_t offloaded_parameters = 0;
+  std::int64_t offloaded_gradients = 0;
+  std::int64_t offloaded_optimizer_state = 0;
+  std::int64_t total() const { return parameters + gradients + optimizer_state; }
+  std::int64_t offloaded_total() const { return offloaded_parameters + offloaded_gradients + offloaded_optimizer_state; }
+};
+
+namespace strategy {
+
+namespace detail {
+
+// The optimizer state tensors shaped like their parameter: read through the
+// state's own serialisation, so any torch::optim optimizer is covered.
+inline std::vector<at::Tensor> per_element_state(const torch::optim::OptimizerParamState& state,
+                                                 const at::Tensor& param) {
+  torch::serialize::OutputArchive out;
+  state.serialize(out);
+  std::stringstream buffer;
+  out.save_to(buffer);
+  torch::serialize::InputArchive in;
+  in.load_from(buffer);
+  std::vector<at::Tensor> tensors;
+  for (const auto& key : in.keys()) {
+    at::Tensor t;
+    if (!in.try_read(key, t) || !t.defined()) continue;
+    if (t.sizes() == param.sizes()) tensors.push_back(t);
+  }
+  return tensors;
+}
+
+}  // namespace detail
+
+/// What this rank holds now: distinct storages of the prepared models'
+/// parameters, of every gradient (the model's and the optimizer's, shared
+/// storage counted once), and of the optimizer's per-element state.
+/// `optimizer_parameters`: what the optimizer steps (ZeRO: shards); `offloaded`:
+/// cpu_offload's host twins; `device_shards`: the device shards they mirror.
+inline ModelStateBytes model_state_bytes(const std::vector<std::shared_ptr<torch::nn::Module>>& models,
+                                         torch::optim::Optimizer* optimizer,
+                                         const std::vector<at::Tensor>& optimizer_parameters,
+                                         const std::vector<at::Tensor>& offloaded,
+                                         const std::vector<at::Tensor>& device_shards) {
+  ModelStateBytes bytes;
+  std::unordered_set<const void*> seen;
+  auto count = [&](const at::Tensor& t, std::int64_t& into) {
+    if (!t.defined() || !t.has_storage()) return;
+    if (seen.insert(t.storage().unsafeGetStorageImpl()).second) into += static_cast<std::int64_t>(t.storage().nbytes());
+  };
+  std::unordered_set<const void*> host;  // the tensors cpu_offload steps in host memory
+  for (const auto& p : offloaded) {
+    host.insert(p.unsafeGetTensorImpl());
+    count(p, bytes.offloaded_parameters);
+    count(p.grad(), bytes.offloaded_gradients);
+  }
+  for (const auto& model : models)
+    for (const auto& p : model->parameters()) count(p, bytes.parameters);
+  for (const auto& p : optimizer_parameters) count(p, bytes.parameters);  // ZeRO-3's own shards
+  for (const auto& p : device_shards) count(p, bytes.parameters);
+  for (const auto& model : models)
+    for (const auto& p : model->parameters()) count(p.grad(), bytes.gradients);
+  for (const auto& p : optimizer_parameters) count(p.grad(), bytes.gradients);
+  for (const auto& p : device_shards) count(p.grad(), bytes.gradients);
+  if (optimizer != nullptr)
+    for (const auto& group : optimizer->param_groups())
+      for (const auto& p : group.params()) {
+        auto it = optimizer->state().find(compat::optimizer_state_key(*optimizer, p));
+        if (it == optimizer->state().end()) continue;
+        // Copies read back from the state's serialisation: sized, not deduplicated.
+        auto& into = host.contains(p.unsafeGetTensorImpl()) ? bytes.offloaded_optimizer_state : bytes.optimizer_state;
+        for (const auto& t : detail::per_element_state(*it->second, p))
+          into += static_cast<std::int64_t>(t.numel() * t.element_size());
+      }
+  return bytes;
+}
+
+}  // namespace strategy
+}  // namespace accel
