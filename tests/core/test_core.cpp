@@ -12,6 +12,7 @@
 #include "accel/core/concepts.hpp"
 #include "accel/core/rules.hpp"
 #include "accel/launch/spawn.hpp"
+#include "accel/strategy/bucket_plan.hpp"
 
 namespace {
 
@@ -198,5 +199,48 @@ TEST_SUITE("spawn") {
         accel::spawn(2, [](int) { std::this_thread::sleep_for(std::chrono::seconds(60)); }, options),
         doctest::Contains("did not finish within its timeout"), accel::SpawnError);
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  }
+}
+
+TEST_SUITE("bucket plan") {
+  using accel::strategy::ParameterSlot;
+  using accel::strategy::plan_buckets;
+  const std::int64_t mib_of_floats = 262144;  // 1 MiB of fp32
+
+  TEST_CASE("reverse registration order; the first bucket closes at its small cap, the others at theirs") {
+    const std::vector<ParameterSlot> slots(4, ParameterSlot{.numel = mib_of_floats});
+    const auto plan = plan_buckets(slots, {.caps = accel::strategy::BucketCaps{.first_mb = 1, .rest_mb = 2}});
+    REQUIRE(plan.size() == 3);
+    CHECK(plan[0].params == std::vector<std::size_t>{3});
+    CHECK(plan[1].params == std::vector<std::size_t>{2, 1});
+    CHECK(plan[2].params == std::vector<std::size_t>{0});
+    CHECK(plan[1].offsets == std::vector<std::int64_t>{0, mib_of_floats});
+    CHECK(plan[1].numel == 2 * mib_of_floats);
+  }
+
+  TEST_CASE("another kind, optimizer group or unit closes the bucket; without caps a bucket is a whole run") {
+    std::vector<ParameterSlot> slots(6, ParameterSlot{.numel = 10});
+    slots[4].group = slots[5].group = 1;  // [0..3] group 0, [4, 5] group 1
+    slots[0].kind = 1;                    // another dtype or device
+    slots[1].unit = slots[2].unit = 1;    // a ZeRO-3 unit of its own
+    const auto plan = plan_buckets(slots, {.caps = std::nullopt});
+    REQUIRE(plan.size() == 4);
+    CHECK(plan[0].params == std::vector<std::size_t>{5, 4});
+    CHECK(plan[0].group == 1);
+    CHECK(plan[1].params == std::vector<std::size_t>{3});
+    CHECK(plan[2].params == std::vector<std::size_t>{2, 1});
+    CHECK(plan[2].unit == 1);
+    CHECK(plan[3].params == std::vector<std::size_t>{0});
+  }
+
+  TEST_CASE("each bucket is padded to a multiple of the shard count, its real size kept") {
+    const std::vector<ParameterSlot> slots{{.numel = 3}, {.numel = 4}};
+    const auto plan = plan_buckets(slots, {.caps = std::nullopt, .pad_to_multiple = 3});
+    REQUIRE(plan.size() == 1);
+    CHECK(plan[0].numel == 7);
+    CHECK(plan[0].padded == 9);
+    CHECK(plan[0].offsets == std::vector<std::int64_t>{0, 4});  // parameter 1 first: reverse order
+    const auto unpadded = plan_buckets(slots, {.caps = std::nullopt});
+    CHECK(unpadded[0].padded == 7);
   }
 }

@@ -37,6 +37,7 @@
 
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
+#include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/engine.hpp"
 
 namespace accel::strategy {
@@ -55,6 +56,8 @@ struct BucketSettings {
   bool static_graph = false;
   std::int64_t pad_to_multiple = 1;  ///< ZeRO pads each bucket so it splits evenly over the ranks
   const char* strategy_name = "DDP";
+  /// false: no size caps, a bucket per unit and group (ZeRO-3).
+  bool size_capped = true;
 };
 
 namespace detail {
@@ -67,6 +70,7 @@ struct Bucket {
   at::Tensor grad;                  // (padded,) flat gradients; params' .grad are views of it
   std::size_t pending = 0;
   int group = 0;                    // optimizer parameter group of every member
+  int unit = 0;                     // ZeRO-3's unit of every member
 };
 
 // State shared with the autograd hooks, which may outlive the engine.
@@ -230,6 +234,13 @@ class BucketedEngineBase : public EngineDefaults {
       after(b);
     }
     s.reset();
+  }
+
+  /// Divides a bucket's gradients by the group size before they are summed
+  /// over it, so that the sum is the mean: Gloo has no AVG, and fp16 on the
+  /// wire must not overflow.
+  void pre_divide(at::Tensor& grad) const {
+    if (state_->comm->distributed()) grad.div_(state_->comm->size());
   }
 
   /// After gradients were accumulated without sync (a pipeline's micro-
@@ -422,41 +433,39 @@ class BucketedEngineBase : public EngineDefaults {
   }
 
  protected:
-  void plan_buckets(const std::function<int(const at::Tensor&)>& group_of) {
+  /// The plan of bucket_plan.hpp over the collected parameters: `group_of`
+  /// their optimizer group, `unit_of` (ZeRO-3) their unit.
+  void plan_buckets(const std::function<int(const at::Tensor&)>& group_of,
+                    const std::function<int(std::size_t)>& unit_of = nullptr) {
     auto& s = *state_;
     const std::size_t n = s.params.size();
     s.bucket_of.assign(n, 0);
     s.ready.assign(n, 0);
     s.grad_views.resize(n);
-    constexpr double mib = 1024.0 * 1024.0;
-    std::vector<detail::Bucket> planned;
-    double bytes = 0;
-    bool open = false;
-    for (std::size_t k = n; k-- > 0;) {  // reverse registration order
-      const auto& p = s.params[k];
-      const int group = group_of(p);
-      const bool other_kind = open && (s.params[planned.back().params.front()].scalar_type() != p.scalar_type() ||
-                                       s.params[planned.back().params.front()].device() != p.device() ||
-                                       planned.back().group != group);
-      if (!open || other_kind) {
-        planned.emplace_back();
-        planned.back().group = group;
-        bytes = 0;
-        open = true;
-      }
-      auto& bucket = planned.back();
-      bucket.params.push_back(k);
-      bucket.offsets.push_back(bucket.numel);
-      bucket.numel += p.numel();
-      bytes += static_cast<double>(p.numel() * p.element_size());
-      const double cap = (planned.size() == 1 ? s.settings.first_bucket_cap_mb : s.settings.bucket_cap_mb) * mib;
-      if (bytes >= cap) open = false;
+    std::vector<std::pair<at::ScalarType, at::Device>> kinds;  // distinct (dtype, device), numbered
+    std::vector<ParameterSlot> slots;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& p = s.params[i];
+      const std::pair<at::ScalarType, at::Device> kind{p.scalar_type(), p.device()};
+      auto found = std::find(kinds.begin(), kinds.end(), kind);
+      if (found == kinds.end()) found = kinds.insert(kinds.end(), kind);
+      slots.push_back({p.numel(), static_cast<std::int64_t>(p.element_size()),
+                       static_cast<int>(found - kinds.begin()), group_of(p), unit_of ? unit_of(i) : 0});
     }
-    const std::int64_t pad = s.settings.pad_to_multiple;
-    for (auto& bucket : planned) {
-      bucket.padded = (bucket.numel + pad - 1) / pad * pad;
-      bucket.pending = bucket.params.size();
-      for (auto i : bucket.params) s.bucket_of[i] = &bucket - planned.data();
+    PlanSettings plan{.caps = std::nullopt, .pad_to_multiple = s.settings.pad_to_multiple};
+    if (s.settings.size_capped) plan.caps = BucketCaps{s.settings.first_bucket_cap_mb, s.settings.bucket_cap_mb};
+    std::vector<detail::Bucket> planned;
+    for (auto& bucket : strategy::plan_buckets(slots, plan)) {
+      planned.push_back({});
+      auto& b = planned.back();
+      b.params = std::move(bucket.params);
+      b.offsets = std::move(bucket.offsets);
+      b.numel = bucket.numel;
+      b.padded = bucket.padded;
+      b.group = bucket.group;
+      b.unit = bucket.unit;
+      b.pending = b.params.size();
+      for (auto i : b.params) s.bucket_of[i] = planned.size() - 1;
     }
     s.buckets = std::move(planned);
   }

@@ -70,7 +70,7 @@ class DDPEngine : public BucketedEngineBase {
     auto& s = *state_;
     if (!s.comm->distributed()) return;
     auto& grad = s.buckets[b].grad;
-    grad.div_(s.comm->size());  // pre-divide: Gloo has no AVG, and fp16 on the wire must not overflow
+    pre_divide(grad);
     at::Tensor& sent = wire_.empty() ? grad : wire_[b].copy_(grad);
     work_[b] = s.comm->all_reduce_async(sent, "all-reduce of DDP gradient bucket " + std::to_string(b) + " (" +
                                                   std::to_string(sent.numel() * sent.element_size()) + " bytes)");

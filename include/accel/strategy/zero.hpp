@@ -187,7 +187,7 @@ class ZeROEngine : public BucketedEngineBase {
   void launch(std::size_t b) {
     auto& s = *state_;
     auto& grad = s.buckets[b].grad;
-    if (s.comm->distributed()) grad.div_(s.comm->size());  // pre-divide: Gloo has no AVG
+    pre_divide(grad);
     const std::string what = std::string(Stage == 1 ? "all-reduce" : "reduce-scatter") + " of ZeRO gradient bucket " +
                              std::to_string(b) + " (" + std::to_string(grad.numel() * grad.element_size()) + " bytes)";
     if constexpr (Stage == 1) work_[b] = s.comm->all_reduce_async(grad, what);

@@ -277,7 +277,10 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   static constexpr bool shards_optimizer_state = true;
 
   ZeROEngine(const ZeRO<3>& settings, comm::Communicator& comm)
-      : BucketedEngineBase(BucketSettings{1e12, 1e12, settings.find_unused_parameters, false, comm.size(), "ZeRO<3>"},
+      : BucketedEngineBase(BucketSettings{.find_unused_parameters = settings.find_unused_parameters,
+                                          .pad_to_multiple = comm.size(),
+                                          .strategy_name = "ZeRO<3>",
+                                          .size_capped = false},
                            comm),
         settings_(settings),
         z3_(std::make_shared<detail::ZeRO3State>()),
@@ -332,12 +335,9 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
                                                     settings_.min_num_params,
                                                     settings_.transformer_layer_cls_to_wrap, unit_names);
     auto& groups = optimizer.param_groups();
-    // Buckets never straddle units: the bucket key is (unit, group).
-    plan_buckets([&](const at::Tensor& p) {
-      for (std::size_t i = 0; i < s.params.size(); ++i)
-        if (s.params[i].is_same(p)) return static_cast<int>(unit_of_param[i]) * 4096 + optimizer_group_of(groups, p) + 1;
-      return -1;
-    });
+    // Buckets never straddle units or optimizer groups.
+    plan_buckets([&](const at::Tensor& p) { return optimizer_group_of(groups, p); },
+                 [&](std::size_t i) { return static_cast<int>(unit_of_param[i]); });
     auto& z = *z3_;
     z.units.resize(unit_names.size());
     for (std::size_t u = 0; u < unit_names.size(); ++u) z.units[u].name = unit_names[u];
@@ -346,8 +346,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     c10::NoGradGuard no_grad;
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
       auto& bucket = s.buckets[b];
-      const std::size_t u = unit_of_param[bucket.params.front()];
-      bucket.group = bucket.group % 4096 - 1;  // back to the optimizer group
+      const std::size_t u = static_cast<std::size_t>(bucket.unit);
       at::Tensor flat = flatten_parameters(b);  // (padded,)
       const std::int64_t shard = bucket.padded / world;
       z.flat.push_back(flat);
@@ -505,7 +504,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   void launch(std::size_t b) {
     auto& s = *state_;
     auto& grad = s.buckets[b].grad;
-    if (s.comm->distributed()) grad.div_(s.comm->size());
+    pre_divide(grad);
     work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b],
                                      "reduce-scatter of ZeRO-3 gradient bucket " + std::to_string(b));
     // The unit's gradients are complete: its backward is over, free its parameters.
