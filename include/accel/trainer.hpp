@@ -509,8 +509,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         : self(t),
           hooks(t.engine_),
           scaler(t.scaling_.state()),
-          trainer{t.comm_,      t.data_group(), hooks,       Precision::name, t.models_,       t.optimizer_,
-                  t.scheduler_, t.counters_,    scaler,      t.custom_,       t.loader_positions_} {}
+          trainer{t.device_,    t.comm_,   t.data_group(), hooks,     Precision::name,        t.models_,
+                  t.optimizer_, t.scheduler_, t.counters_,  scaler,    t.custom_, t.loader_positions_} {}
     void commit() { self.scaling_.load_state(scaler); }
   };
   CheckpointView checkpoint_view() { return CheckpointView(*this); }

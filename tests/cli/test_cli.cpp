@@ -594,3 +594,35 @@ TEST_CASE("help, env and unknown commands") {
   CHECK(unknown.status == 2);
   CHECK(contains(unknown.err, "unknown command 'lanch'"));
 }
+
+TEST_CASE("export: copies a checkpoint's model file; refuses an incomplete one and a model cut into parts") {
+  TempDir dir;
+  const std::string model_bytes = "not really a torch file, but 40 bytes..";
+  auto make_checkpoint = [&](const std::string& name, const nlohmann::json& extra) {
+    fs::create_directories(dir.path / name);
+    write_file(dir.file(name + "/model_0.pt"), model_bytes);
+    nlohmann::json manifest = {{"format_version", 1},
+                               {"models", nlohmann::json::array({nlohmann::json::object()})},
+                               {"files", {{"model_0.pt", model_bytes.size()}}}};
+    manifest.update(extra);
+    write_file(dir.file(name + "/manifest.json"), manifest.dump());
+  };
+  make_checkpoint("whole", nlohmann::json::object());
+  auto ok = run_accel({"export", dir.file("whole"), dir.file("out.pt")}, dir);
+  CHECK_MESSAGE((ok.exited && ok.status == 0), ok);
+  CHECK(read_file(dir.file("out.pt")) == model_bytes);
+
+  make_checkpoint("cut", {{"model_parts", 2}, {"model_layout", "tensor 2 x pipeline 1"}});
+  auto cut = run_accel({"export", dir.file("cut"), dir.file("cut.pt")}, dir);
+  CHECK_MESSAGE((cut.exited && cut.status == 1), cut);
+  CHECK(cut.err.find("holds the model cut into 2 parts (tensor 2 x pipeline 1)") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.file("cut.pt")));
+
+  fs::remove(dir.file("whole/manifest.json"));  // an interrupted save
+  auto incomplete = run_accel({"export", dir.file("whole"), dir.file("again.pt")}, dir);
+  CHECK_MESSAGE((incomplete.exited && incomplete.status == 1), incomplete);
+  CHECK(incomplete.err.find("is incomplete") != std::string::npos);
+
+  auto usage = run_accel({"export", dir.file("whole")}, dir);
+  CHECK_MESSAGE((usage.exited && usage.status == 2), usage);
+}

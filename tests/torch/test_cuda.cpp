@@ -2,6 +2,7 @@
 // exits 77, which meson reports as SKIP (never as a pass).
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/randn.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -86,6 +87,24 @@ TEST_CASE("CUDA: the FP16 loss scaler's state survives save_state / load_state")
   // The growth tracker came back too: two more clean steps complete the interval of 3.
   for (int i = 0; i < 2; ++i) resumed.step([&] { return loss_of(net2, x, x.narrow(1, 0, 4).argmax(1)); });
   CHECK(resumed.loss_scale() == 1024);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("CUDA: the GPU's generator is checkpointed: draws after load_state repeat those after save_state") {
+  const auto dir = std::filesystem::temp_directory_path() / ("accel_cuda_rng_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto net = tiny_mlp(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  accel::Trainer<accel::SingleProcess, accel::FP32, accel::CUDA> trainer;
+  trainer.prepare(net, opt);
+  trainer.set_seed(5);
+  (void)at::randn({16}, at::TensorOptions().device(trainer.device()));  // move the GPU stream off its seed
+  trainer.save_state(dir);
+  const auto after_save = at::randn({16}, at::TensorOptions().device(trainer.device()));
+  (void)at::randn({16}, at::TensorOptions().device(trainer.device()));  // and further on
+  trainer.load_state(dir);
+  const auto after_load = at::randn({16}, at::TensorOptions().device(trainer.device()));
+  CHECK(after_load.equal(after_save));
   std::filesystem::remove_all(dir);
 }
 

@@ -143,6 +143,26 @@ TEST_SUITE("ddp") {
         bounded());
   }
 
+  TEST_CASE("set_seed: the same stream on every rank, or with device_specific the seed plus the rank") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          accel::Trainer<accel::DDP> trainer;
+          trainer.set_seed(7);
+          auto shared = at::randn({8});
+          trainer.set_seed(7, /*device_specific=*/true);
+          auto own = at::randn({8});
+          at::manual_seed(7 + rank);  // Accelerate's set_seed(seed, device_specific=True): seed + process index
+          auto expected = at::randn({8});
+          require(own.equal(expected), "device_specific draws from seed + rank");
+          auto all_shared = trainer.communicator().all_gather(shared, "test");
+          auto all_own = trainer.communicator().all_gather(own, "test");
+          require(all_shared[0].equal(all_shared[1]), "set_seed(7): the same draws on both ranks");
+          require(!all_own[0].equal(all_own[1]), "device_specific: different draws per rank");
+        },
+        bounded());
+  }
+
   TEST_CASE("unused parameters: an error that names them, or find_unused_parameters") {
     // A model whose second head is unused by the loss.
     struct TwoHeads : torch::nn::Module {

@@ -20,6 +20,36 @@ double learning_rate(torch::optim::Optimizer& optimizer) {
 
 }  // namespace
 
+namespace {
+
+// 3 SGD steps under DDP on 2 ranks (this rank's half of each batch of 8)
+// against one process on the whole batch, both clipped by `clip(trainer,
+// reference, step)` between backward and the step; the parameters must end
+// within `bound`.
+template <class Clip>
+void clipped_ddp_equals_one_process(int rank, double bound, Clip&& clip) {
+  accel::Trainer<accel::DDP> trainer;
+  auto net = tiny_mlp(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.5));
+  trainer.prepare(net, opt);
+  auto reference = tiny_mlp(0);
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.5));
+  for (int step = 0; step < 3; ++step) {
+    auto batch = global_batch(step, 8);
+    trainer.backward(loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4)));
+    ref_opt.zero_grad();
+    loss_of(reference, batch.x, batch.y).backward();
+    clip(trainer, reference, step);
+    trainer.optimizer_step();
+    trainer.zero_grad();
+    ref_opt.step();
+  }
+  const double diff = max_param_diff(*net, *reference);
+  require(diff < bound, "clipped DDP vs clipped single process: " + std::to_string(diff));
+}
+
+}  // namespace
+
 TEST_SUITE("loop") {
   TEST_CASE("accumulating 4 micro-batches on 2 ranks equals one step on the 8x global batch, with no collective "
             "on the non-final micro-steps") {
@@ -87,28 +117,64 @@ TEST_SUITE("loop") {
     accel::spawn(
         2,
         [](int rank) {
-          accel::Trainer<accel::DDP> trainer;
-          auto net = tiny_mlp(0);
-          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.5));
-          trainer.prepare(net, opt);
-          auto reference = tiny_mlp(0);
-          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.5));
-          for (int step = 0; step < 3; ++step) {
-            auto batch = global_batch(step, 8);
-            trainer.backward(loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4)));
+          clipped_ddp_equals_one_process(rank, 1e-5, [](auto& trainer, torch::nn::Sequential& reference, int) {
             const double norm = trainer.clip_grad_norm(0.05);
-            trainer.optimizer_step();
-            trainer.zero_grad();
-            ref_opt.zero_grad();
-            loss_of(reference, batch.x, batch.y).backward();
             const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
-            ref_opt.step();
             require(std::abs(norm - ref_norm) < 1e-5, "global norm " + std::to_string(norm) + " vs " + std::to_string(ref_norm));
             require(norm > 0.05, "the test must actually clip");
-          }
-          require(max_param_diff(*net, *reference) < 1e-5, "clipped DDP equals clipped single process");
+          });
         },
         bounded());
+  }
+
+  TEST_CASE("clip_grad_value under DDP clamps the averaged gradients exactly as one process would") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          const double value = 0.01;
+          // measured: 3.0e-8
+          clipped_ddp_equals_one_process(rank, 3e-7, [&](auto& trainer, torch::nn::Sequential& reference, int step) {
+            trainer.clip_grad_value(value);
+            double largest = 0, unclipped = 0;
+            for (const auto& p : trainer.strategy_engine().optimizer_parameters())
+              largest = std::max(largest, p.grad().abs().max().template item<double>());
+            for (const auto& p : reference->parameters()) unclipped = std::max(unclipped, p.grad().abs().max().template item<double>());
+            require(largest <= value, "every element within [-value, value]");
+            require(unclipped > 2 * value, "the test must actually clip: largest gradient " + std::to_string(unclipped));
+            if (step == 0) {  // the order matters: clamping each rank's half before averaging is far off
+              auto batch = global_batch(0, 8);
+              auto half_grads = [&](int r) {
+                auto copy = tiny_mlp(0);
+                loss_of(copy, batch.x.narrow(0, r * 4, 4), batch.y.narrow(0, r * 4, 4)).backward();
+                std::vector<at::Tensor> out;
+                for (const auto& p : copy->parameters()) out.push_back(p.grad().clamp(-value, value));
+                return out;
+              };
+              auto h0 = half_grads(0), h1 = half_grads(1);
+              auto full = reference->parameters();
+              double order = 0;
+              for (std::size_t i = 0; i < full.size(); ++i)
+                order = std::max(order, ((h0[i] + h1[i]) / 2 - full[i].grad().clamp(-value, value)).abs().max().template item<double>());
+              // measured: 1.0e-2 (the clamp value itself), against the bound of 3e-7
+              require(order > 1e-3, "clamping before the average would differ: " + std::to_string(order));
+            }
+            torch::nn::utils::clip_grad_value_(reference->parameters(), value);
+          });
+        },
+        bounded());
+  }
+
+  TEST_CASE("gradient_accumulation_steps: TrainerOptions, else ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 1; a "
+            "bad value names the variable") {
+    ScopedEnv env;
+    env.set("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4");
+    CHECK(accel::Trainer<>().gradient_accumulation_steps() == 4);
+    CHECK(accel::Trainer<>(accel::TrainerOptions{.gradient_accumulation_steps = 2}).gradient_accumulation_steps() == 2);
+    env.set("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "four");
+    CHECK_THROWS_WITH_AS(accel::Trainer<>(), doctest::Contains("ACCELERATE_GRADIENT_ACCUMULATION_STEPS='four'"),
+                         accel::ConfigurationError);
+    env.set("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "0");
+    CHECK_THROWS_WITH_AS(accel::Trainer<>(), doctest::Contains("must be at least 1, got 0"), accel::ConfigurationError);
   }
 
   TEST_CASE("clipping on a non-synchronising micro-step is refused with the fix") {

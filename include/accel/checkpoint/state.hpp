@@ -11,7 +11,7 @@
 //   model_<i>.pt | model_<i>_part_<p>.pt       the prepared models (ZeRO-3: gathered whole)
 //   optimizer.pt | optimizer_part_<p>.pt       replicated optimizer state
 //   optimizer_shard_<s>.pt | optimizer_part_<p>_shard_<s>.pt   sharded optimizer state
-//   random_states_<rank>.pt                    every rank's generator
+//   random_states_<rank>.pt                    every rank's generators (CPU, and its GPU's)
 //   custom_checkpoint_<k>.pt                   register_for_checkpointing objects
 //   manifest.json                              the rest: steps, loaders, scaler, layout, file sizes
 // A checkpoint loads into the same cut of the model only (the manifest
@@ -75,6 +75,7 @@ struct StepCounters {
 
 /// What save and load read and write, by reference.
 struct TrainerView {
+  at::Device device;  ///< the training device: its generator is saved too
   comm::Communicator& world;
   comm::Communicator& data_group;  ///< the ranks that read different data
   EngineHooks& engine;
@@ -102,6 +103,32 @@ struct FileNames {
 };
 
 inline FileNames names_for(const strategy::ModelPart& part) { return {part.count, part.index}; }
+
+// The generators a resumed run must continue: the CPU's, and the training
+// device's when it is a GPU (dropout and randn on CUDA draw from it).
+inline std::vector<at::Generator> generators(at::Device device) {
+  std::vector<at::Generator> out{at::detail::getDefaultCPUGenerator()};
+  if (!device.is_cpu()) out.push_back(at::globalContext().defaultGenerator(device));
+  return out;
+}
+
+inline std::vector<at::Tensor> random_states(at::Device device) {
+  std::vector<at::Tensor> states;
+  for (auto generator : generators(device)) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    states.push_back(generator.get_state());
+  }
+  return states;
+}
+
+// A checkpoint saved on another device type restores what it has (the CPU's at least).
+inline void restore_random_states(at::Device device, const std::vector<at::Tensor>& states) {
+  auto targets = generators(device);
+  for (std::size_t i = 0; i < targets.size() && i < states.size(); ++i) {
+    std::lock_guard<std::mutex> lock(targets[i].mutex());
+    targets[i].set_state(states[i]);
+  }
+}
 
 // A flag as rank 0 sees it, on every rank.
 inline bool main_process_says(comm::Communicator& world, bool flag) {
@@ -377,9 +404,7 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
   {
     std::vector<at::Tensor> rng;
     torch::load(rng, (dir / ("random_states_" + std::to_string(t.world.rank() % saved_world) + ".pt")).string());
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(rng.at(0));
+    restore_random_states(t.device, rng);
   }
   // Data position: in samples read by the data ranks together, so that a
   // run resumed on another number of them skips what the whole job had read.
@@ -417,15 +442,8 @@ inline void save_state(TrainerView& t, const std::filesystem::path& dir) {
     fs::create_directories(target);
   }
   t.world.barrier();
-  {
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::vector<at::Tensor> rng;
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      rng.push_back(generator.get_state());
-    }
-    torch::save(rng, (target / ("random_states_" + std::to_string(t.world.rank()) + ".pt")).string());
-  }
+  torch::save(detail::random_states(t.device),
+              (target / ("random_states_" + std::to_string(t.world.rank()) + ".pt")).string());
   const auto part = t.engine.model_part(t.world);
   const auto shards = t.engine.shard_layout();
   const auto names = detail::names_for(part);
