@@ -281,13 +281,14 @@ TEST_SUITE("ddp") {
     CHECK(text.find("rank 0: barrier") != std::string::npos);
   }
 
-  TEST_CASE("DDP + BF16 on 2 ranks runs its forward in bf16 and matches the single-process BF16 run; the bound "
-            "fails without communication") {
+  TEST_CASE_TEMPLATE("DDP, ZeRO-2 and ZeRO-3 + BF16 on 2 ranks run the forward in bf16 and match the single-process "
+                     "BF16 run; the bound fails without communication",
+                     Strategy, accel::DDP, accel::ZeRO<2>, accel::ZeRO<3>) {
     accel::spawn(
         2,
         [](int rank) {
           const std::int64_t per_rank = 8, steps = 5;
-          accel::Trainer<accel::DDP, accel::BF16> trainer;
+          accel::Trainer<Strategy, accel::BF16> trainer;
           auto net = tiny_mlp(0);
           torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
           trainer.prepare(net, opt);
@@ -302,7 +303,8 @@ TEST_SUITE("ddp") {
           }
           // Distance alone cannot tell bf16 from fp32 here (the fp32 run is 1.5e-4 away, two bf16 runs
           // 1e-4), so the forward's dtype is checked directly.
-          require(inside == at::kBFloat16, "the DDP forward ran in bf16");
+          require(inside == at::kBFloat16, "the forward ran in bf16");
+          trainer.unwrap_model();  // ZeRO-3: the parameters whole again
           // References, one process each, with autocast set directly (not through
           // the Trainer under test): the global batch in bf16, and this rank's
           // half alone in bf16 (what no communication would give).
@@ -324,9 +326,13 @@ TEST_SUITE("ddp") {
           };
           const double diff = max_param_diff(*net, *plain_run(0, 2 * per_rank));
           const double alone = max_param_diff(*net, *plain_run(rank * per_rank, per_rank));
-          if (rank == 0) std::printf("DDP+BF16: vs single bf16 %.3g, vs no communication %.3g\n", diff, alone);
+          if (rank == 0)
+            std::printf("%s+BF16: vs single bf16 %.3g, vs no communication %.3g\n",
+                        std::is_same_v<Strategy, accel::DDP> ? "DDP" : std::is_same_v<Strategy, accel::ZeRO<2>> ? "ZeRO-2" : "ZeRO-3",
+                        diff, alone);
           // Measured (1.13 and 2.15): 9.8e-5 from the single bf16 run (the two sum the batch in
           // different groupings, each rounding to 8 mantissa bits), 5.9e-2 from one rank alone.
+          // ZeRO-2 and ZeRO-3 measure the same (9.8e-5 on 1.13, 1.0e-4 on 2.15; 5.9e-2 alone).
           const double bound = 1e-3;
           require(diff < bound, "max |DDP bf16 - single bf16| = " + std::to_string(diff));
           require(alone > bound, "communication mattered: one rank alone is " + std::to_string(alone) + " away");
