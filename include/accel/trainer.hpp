@@ -78,6 +78,12 @@ namespace detail {
 template <class T>
 concept defined = requires { sizeof(T); };
 
+// The contract is checked only once the engine is there (else the sentence above says what to include).
+template <class E, bool = defined<E>>
+inline constexpr bool meets_contract = true;
+template <class E>
+inline constexpr bool meets_contract<E, true> = strategy::complete_engine<E>;
+
 template <class T>
 concept module_holder = requires(T& m) {
   { m.ptr() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
@@ -102,7 +108,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
                 "accel: this Trainer's strategy engine is not included: include the strategy's header "
                 "(<accel/strategy/ddp.hpp>, <accel/strategy/zero.hpp>, <accel/strategy/zero3.hpp>, "
                 "<accel/strategy/hybrid_shard.hpp>, <accel/strategy/parallel.hpp>) or <accel/accel.hpp>");
-  static_assert(strategy::complete_engine<engine_type>,
+  static_assert(detail::meets_contract<engine_type>,
                 "accel: this strategy's engine does not meet the engine contract (NOTE [Engine contract] in "
                 "<accel/strategy/engine.hpp>)");
 

@@ -89,11 +89,17 @@ struct BusyScope {
   BusyScope& operator=(const BusyScope&) = delete;
 };
 
+// A unit's full parameters, as FSDP2's FSDPParamGroup tracks them:
+//   sharded --unshard()--> unsharding --wait_for_unshard()--> unsharded --reshard()--> sharded
+// (unsharding: the all-gathers are in flight, e.g. a backward prefetch). A
+// unit starts unsharded: prepare has the whole model until it reshards.
+enum class UnitState { sharded, unsharding, unsharded };
+
 struct ShardedUnit {
   std::string name;
   std::vector<std::size_t> buckets;
-  bool gathered = true;
-  std::vector<comm::Pending> gathering;  // an in-flight (prefetched) all-gather
+  UnitState state = UnitState::unsharded;
+  std::vector<comm::Pending> gathering;  // the in-flight all-gathers while unsharding
   std::size_t launched = 0;              // buckets whose reduce-scatter started in this backward
 };
 
@@ -114,9 +120,11 @@ class ZeRO3State {
 
   std::size_t bytes(std::size_t b) const { return static_cast<std::size_t>(flat[b].numel() * flat[b].element_size()); }
 
-  void start_gather(std::size_t u) {
+  /// sharded -> unsharding: starts the unit's all-gathers.
+  void unshard(std::size_t u) {
     auto& unit = units[u];
-    if (unit.gathered || !unit.gathering.empty()) return;
+    if (unit.state != UnitState::sharded) return;
+    unit.state = UnitState::unsharding;
     for (auto b : unit.buckets) {
       set_storage_bytes(flat[b].storage().unsafeGetStorageImpl(), bytes(b));
       // A separate tensor on the same storage: writing through it leaves
@@ -139,28 +147,32 @@ class ZeRO3State {
     }
   }
 
-  void finish_gather(std::size_t u) {
+  /// unsharding -> unsharded: waits for them.
+  void wait_for_unshard(std::size_t u) {
     auto& unit = units[u];
+    if (unit.state != UnitState::unsharding) return;
     for (auto& pending : unit.gathering) pending.wait();
     unit.gathering.clear();
-    unit.gathered = true;
+    unit.state = UnitState::unsharded;
   }
 
-  void gather(std::size_t u) {
-    start_gather(u);
-    finish_gather(u);
+  /// Whatever the state, unsharded on return.
+  void unshard_now(std::size_t u) {
+    unshard(u);
+    wait_for_unshard(u);
   }
 
-  void release(std::size_t u) {
+  /// -> sharded: frees the full parameters (after any in-flight gather lands).
+  void reshard(std::size_t u) {
     auto& unit = units[u];
-    if (!unit.gathering.empty()) finish_gather(u);
-    if (!unit.gathered) return;
+    wait_for_unshard(u);
+    if (unit.state != UnitState::unsharded) return;
     for (auto b : unit.buckets) set_storage_bytes(flat[b].storage().unsafeGetStorageImpl(), 0);
-    unit.gathered = false;
+    unit.state = UnitState::sharded;
   }
 
-  void release_all() {
-    for (std::size_t u = 0; u < units.size(); ++u) release(u);
+  void reshard_all() {
+    for (std::size_t u = 0; u < units.size(); ++u) reshard(u);
     current = SIZE_MAX;
   }
 
@@ -168,15 +180,15 @@ class ZeRO3State {
   void on_use(std::size_t u) {
     if (held) return;
     if (!backward && u != current) {
-      if (current != SIZE_MAX && current != root) release(current);
+      if (current != SIZE_MAX && current != root) reshard(current);
       current = u;
       if (std::find(forward_order.begin(), forward_order.end(), u) == forward_order.end()) forward_order.push_back(u);
     }
-    if (units[u].gathered) return;
-    gather(u);
+    if (units[u].state == UnitState::unsharded) return;
+    unshard_now(u);
     if (backward) {  // prefetch the unit that ran before this one in the forward
       auto it = std::find(last_forward_order.begin(), last_forward_order.end(), u);
-      if (it != last_forward_order.end() && it != last_forward_order.begin()) start_gather(*(it - 1));
+      if (it != last_forward_order.end() && it != last_forward_order.begin()) unshard(*(it - 1));
     }
   }
 };
@@ -359,7 +371,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
     if (offload_.enabled()) offload_.attach(z.shards);
     point_optimizer_at(groups, optimizer_parameters());
-    z.release_all();
+    z.reshard_all();
     work_.resize(s.buckets.size());
     received_.resize(s.buckets.size());
     register_hooks();
@@ -381,7 +393,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   }
   void after_forward() {
     z3_->last_forward_order = z3_->forward_order;
-    z3_->release_all();  // reshard after forward
+    z3_->reshard_all();  // reshard after forward
   }
 
   void before_backward(const at::Tensor& loss) {
@@ -406,7 +418,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     wait_for_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(grad_shards_[b], received_[b]); });
     release_full_gradients();
     z3_->backward = false;
-    z3_->release_all();
+    z3_->reshard_all();
   }
   void offload_gradients() {
     if (offload_.enabled()) offload_.gradients_to_host(grad_shards_);
@@ -450,7 +462,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   /// after a load, each rank's shards are taken from the loaded parameters.
   void gather_full_parameters() {
     detail::BusyScope busy;
-    for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->gather(u);
+    for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->unshard_now(u);
     z3_->held = true;
   }
   void release_full_parameters(FullParameters what) {
@@ -464,13 +476,13 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
         z.shards[b].copy_(z.flat[b].narrow(0, state_->comm->rank() * shard, shard));
       }
     }
-    z.release_all();
+    z.reshard_all();
   }
 
   // ------------------------------------------------------------ introspection
   std::size_t unit_count() const { return z3_->units.size(); }
   const std::string& unit_name(std::size_t u) const { return z3_->units.at(u).name; }
-  bool unit_gathered(std::size_t u) const { return z3_->units.at(u).gathered; }
+  bool unit_gathered(std::size_t u) const { return z3_->units.at(u).state == detail::UnitState::unsharded; }
   /// Bytes of full (gathered) parameters this rank holds right now.
   std::int64_t gathered_bytes() const {
     std::int64_t total = 0;
@@ -511,7 +523,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     auto& unit = z3_->units[z3_->unit_of_bucket[b]];
     if (++unit.launched == unit.buckets.size()) {
       detail::BusyScope busy;
-      z3_->release(z3_->unit_of_bucket[b]);
+      z3_->reshard(z3_->unit_of_bucket[b]);
     }
   }
 
