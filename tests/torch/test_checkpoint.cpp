@@ -272,65 +272,72 @@ TEST_SUITE("checkpoint") {
     }
   }
 
-  TEST_CASE("a save killed midway leaves the previous checkpoint loadable and the broken one rejected") {
-    const auto first = fresh_dir("good"), second = fresh_dir("killed"), marker = fresh_dir("marker");
-    RemoveOnExit cleanup{first, second, marker};
-    auto make_big = [] {
-      at::manual_seed(3);
-      return torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Linear(2048, 2048),
-                                   torch::nn::Linear(2048, 2048));
-    };
-    // What the first save holds: make_big after one Adam step on x (drawn after the initialisation).
-    auto first_step = [](accel::Trainer<>& trainer, torch::nn::Sequential& net, torch::optim::Adam& opt) {
-      trainer.prepare(net, opt);
-      auto x = at::randn({2, 2048});
-      trainer.step([&] { return net->forward(x).sum(); });
-      return x;
-    };
-    std::fflush(nullptr);
-    const pid_t child = ::fork();
-    REQUIRE(child >= 0);
-    if (child == 0) {
-      accel::launch::become_supervised_child();
+  TEST_CASE("a save killed midway leaves the previous checkpoint loadable and the broken one rejected; also when "
+            "it was overwriting that checkpoint") {
+    for (const bool overwrite : {false, true}) {
+      // Overwriting: the second save targets the first's directory, and writes into <dir>.staging.
+      CAPTURE(overwrite);
+      const auto first = fresh_dir("good"), marker = fresh_dir("marker");
+      const auto second = overwrite ? first : fresh_dir("killed");
+      const auto written = overwrite ? fs::path(first.string() + ".staging") : second;  // where the killed save writes
+      RemoveOnExit cleanup{first, second, marker, written};
+      auto make_big = [] {
+        at::manual_seed(3);
+        return torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Linear(2048, 2048),
+                                     torch::nn::Linear(2048, 2048));
+      };
+      // What the first save holds: make_big after one Adam step on x (drawn after the initialisation).
+      auto first_step = [](accel::Trainer<>& trainer, torch::nn::Sequential& net, torch::optim::Adam& opt) {
+        trainer.prepare(net, opt);
+        auto x = at::randn({2, 2048});
+        trainer.step([&] { return net->forward(x).sum(); });
+        return x;
+      };
+      std::fflush(nullptr);
+      const pid_t child = ::fork();
+      REQUIRE(child >= 0);
+      if (child == 0) {
+        accel::launch::become_supervised_child();
+        accel::Trainer<> trainer;
+        auto net = make_big();
+        torch::optim::Adam opt(net->parameters());
+        auto x = first_step(trainer, net, opt);
+        trainer.save_state(first);
+        std::ofstream(marker) << "first saved";
+        trainer.step([&] { return net->forward(x).sum(); });
+        trainer.save_state(second);  // killed while writing this
+        ::_exit(0);
+      }
+      // Kill the child as soon as the second save has started writing.
+      bool killed = false;
+      for (int i = 0; i < 6000 && !killed; ++i) {
+        if (fs::exists(marker) && fs::exists(written / "model_0.pt")) {
+          ::kill(child, SIGKILL);
+          killed = true;
+        } else {
+          std::this_thread::sleep_for(5ms);
+        }
+      }
+      if (!killed) ::kill(child, SIGKILL);
+      int status = 0;
+      ::waitpid(child, &status, 0);
+      REQUIRE(killed);
+      REQUIRE_MESSAGE(!fs::exists(written / "manifest.json"), "the save finished before the kill: the test proved nothing");
+
       accel::Trainer<> trainer;
       auto net = make_big();
       torch::optim::Adam opt(net->parameters());
-      auto x = first_step(trainer, net, opt);
-      trainer.save_state(first);
-      std::ofstream(marker) << "first saved";
-      trainer.step([&] { return net->forward(x).sum(); });
-      trainer.save_state(second);  // killed while writing this
-      ::_exit(0);
+      trainer.prepare(net, opt);
+      CHECK_THROWS_WITH_AS(trainer.load_state(written), doctest::Contains("is incomplete: it has no manifest.json"),
+                           accel::checkpoint::CheckpointError);
+      CHECK_NOTHROW(trainer.load_state(first));
+      // What came back is the first save's model, recomputed here.
+      accel::Trainer<> replay;
+      auto expected = make_big();
+      torch::optim::Adam expected_opt(expected->parameters());
+      first_step(replay, expected, expected_opt);
+      CHECK(max_param_diff(*net, *expected) == 0.0);
     }
-    // Kill the child as soon as the second save has started writing.
-    bool killed = false;
-    for (int i = 0; i < 6000 && !killed; ++i) {
-      if (fs::exists(marker) && fs::exists(second / "model_0.pt")) {
-        ::kill(child, SIGKILL);
-        killed = true;
-      } else {
-        std::this_thread::sleep_for(5ms);
-      }
-    }
-    if (!killed) ::kill(child, SIGKILL);
-    int status = 0;
-    ::waitpid(child, &status, 0);
-    REQUIRE(killed);
-    REQUIRE_MESSAGE(!fs::exists(second / "manifest.json"), "the save finished before the kill: the test proved nothing");
-
-    accel::Trainer<> trainer;
-    auto net = make_big();
-    torch::optim::Adam opt(net->parameters());
-    trainer.prepare(net, opt);
-    CHECK_THROWS_WITH_AS(trainer.load_state(second), doctest::Contains("is incomplete: it has no manifest.json"),
-                         accel::checkpoint::CheckpointError);
-    CHECK_NOTHROW(trainer.load_state(first));
-    // What came back is the first save's model, recomputed here.
-    accel::Trainer<> replay;
-    auto expected = make_big();
-    torch::optim::Adam expected_opt(expected->parameters());
-    first_step(replay, expected, expected_opt);
-    CHECK(max_param_diff(*net, *expected) == 0.0);
   }
 
   TEST_CASE("a ZeRO-3 checkpoint from 2 ranks consolidates into one model file that a plain model loads") {
