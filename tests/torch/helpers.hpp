@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -40,6 +41,22 @@ inline torch::nn::Sequential tiny_mlp(std::uint64_t seed, std::int64_t in = 8, s
   }
   net->push_back(torch::nn::Linear(hidden, out));
   return net;
+}
+
+/// Full Linear layers of the given (in, out) shapes, seeded alike on every
+/// rank: what tensor-parallel layers are sliced from, and their reference.
+inline std::vector<torch::nn::Linear> full_layers(const std::vector<std::pair<int, int>>& shapes) {
+  at::manual_seed(0);
+  std::vector<torch::nn::Linear> layers;
+  for (auto [in, out] : shapes) layers.emplace_back(in, out);
+  return layers;
+}
+
+/// A measured error, as "1.2e-07".
+inline std::string sci(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1e", v);
+  return text;
 }
 
 struct GlobalBatch {

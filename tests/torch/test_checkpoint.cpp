@@ -18,13 +18,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A measured error, as "1.2e-07".
-std::string sci(double v) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1e", v);
-  return text;
-}
-
 fs::path fresh_dir(const std::string& name) {
   auto dir = fs::temp_directory_path() / ("accel_ckpt_" + std::to_string(::getpid()) + "_" + name);
   fs::remove_all(dir);
@@ -98,12 +91,13 @@ void interrupted_equals_uninterrupted(const fs::path& dir, std::int64_t k, std::
 // A model cut by tensor parallelism (and, with a pipeline, into 2 stages of 3
 // modules each): column / row parallel pairs around Tanh, from full layers
 // seeded alike on every rank.
+const std::vector<std::pair<int, int>> mlp_shapes{{8, 16}, {16, 8}, {8, 16}, {16, 4}};
+
 torch::nn::Sequential tensor_parallel_mlp(accel::comm::Communicator& tp) {
-  at::manual_seed(0);
-  torch::nn::Linear a(8, 16), b(16, 8), c(8, 16), d(16, 4);
-  return torch::nn::Sequential(accel::nn::ColumnParallelLinear(a, tp), torch::nn::Tanh(),
-                               accel::nn::RowParallelLinear(b, tp), accel::nn::ColumnParallelLinear(c, tp),
-                               torch::nn::Tanh(), accel::nn::RowParallelLinear(d, tp));
+  auto full = full_layers(mlp_shapes);
+  return torch::nn::Sequential(accel::nn::ColumnParallelLinear(full[0], tp), torch::nn::Tanh(),
+                               accel::nn::RowParallelLinear(full[1], tp), accel::nn::ColumnParallelLinear(full[2], tp),
+                               torch::nn::Tanh(), accel::nn::RowParallelLinear(full[3], tp));
 }
 
 at::Tensor cross_entropy(const at::Tensor& out, const at::Tensor& y) {
@@ -522,9 +516,8 @@ TEST_SUITE("checkpoint") {
         2,
         [&](int) {
           auto whole = train(2, k, n, true);
-          at::manual_seed(0);
-          torch::nn::Linear a(8, 16), b2(16, 8), c(8, 16), d(16, 4);
-          torch::nn::Sequential reference(a, torch::nn::Tanh(), b2, c, torch::nn::Tanh(), d);
+          auto full = full_layers(mlp_shapes);
+          torch::nn::Sequential reference(full[0], torch::nn::Tanh(), full[1], full[2], torch::nn::Tanh(), full[3]);
           torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
           for (std::int64_t step = 0; step < n; ++step) {
             auto batch = global_batch(step, b * 2);
@@ -532,9 +525,8 @@ TEST_SUITE("checkpoint") {
             cross_entropy(reference->forward(batch.x), batch.y).backward();
             ref_opt.step();
           }
-          const at::Tensor expected[] = {a->weight, b2->weight, c->weight, d->weight};
           double diff = 0;
-          for (int i = 0; i < 4; ++i) diff = std::max(diff, (whole[i] - expected[i]).abs().max().item<double>());
+          for (int i = 0; i < 4; ++i) diff = std::max(diff, (whole[i] - full[i]->weight).abs().max().item<double>());
           // measured: 6.0e-8 (Adam, fp32, 6 steps)
           require(diff < 5e-7, "resumed on data 1 x tensor 2: " + sci(diff));
         },

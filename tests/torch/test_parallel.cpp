@@ -14,22 +14,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// A measured error, as "1.2e-07".
-std::string sci(double v) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1e", v);
-  return text;
-}
-
 at::Tensor cross_entropy(const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); }
-
-// Full layers with the same initial weights on every rank: the reference.
-std::vector<torch::nn::Linear> full_layers(const std::vector<std::pair<int, int>>& shapes) {
-  at::manual_seed(0);
-  std::vector<torch::nn::Linear> layers;
-  for (auto [in, out] : shapes) layers.emplace_back(in, out);
-  return layers;
-}
 
 // Trains `reference` (a Sequential of full layers with Tanh between pairs) on the global batches.
 void train_reference(torch::nn::Sequential& reference, int steps, std::int64_t global) {

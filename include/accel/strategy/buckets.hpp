@@ -271,7 +271,7 @@ class BucketedEngineBase : public EngineDefaults {
         if (counted(p)) mask.narrow(0, bucket.offsets[k], p.numel()).fill_(1);
       }
       const std::int64_t shard = bucket.padded / shards;
-      out.push_back(mask.narrow(0, rank * shard, shard));
+      out.push_back(mask.narrow(0, rank * shard, shard).clone());  // not the whole bucket's mask
     }
     return out;
   }

@@ -19,9 +19,10 @@
 //     part this rank holds, the groups of a mesh, gradient-norm reduction,
 //     the pipelined step, cpu_offload's host tensors.
 // An engine that wraps another (HybridShard around ZeRO-3, Parallel around
-// its data engine) derives from ForwardingEngine, which forwards every
-// customisation point to the inner engine: a point added here is forwarded
-// by wrappers without anyone remembering to.
+// its data engine) derives from ForwardingEngine, which forwards the inner
+// engine's customisation points (all but the mesh groups and the pipelined
+// step, which only the outermost engine has): a point added here is added
+// there too, and wrappers forward it without anyone remembering to.
 
 #include <ATen/core/Tensor.h>
 

@@ -17,6 +17,7 @@
 
 #include <memory>
 #include <optional>
+#include <vector>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -108,20 +109,8 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
   /// group only on tensor rank 0, and an unsharded data engine's only on
   /// its first replica.
   NormReduction norm_reduction() {
-    NormReduction reduction{&mesh_.world(), {}};
-    const bool first_tensor = mesh_.coordinate(comm::MeshDim::tensor) == 0;
-    auto counted = [&](const at::Tensor& p) { return first_tensor || split_.contains(p.unsafeGetTensorImpl()); };
-    if constexpr (shards_optimizer_state) {
-      if (!first_tensor || settings_.tensor > 1) {
-        const auto layout = this->inner_.shard_layout();
-        reduction.masks = this->inner_.shard_masks(counted, layout.count, layout.rank);
-      }
-    } else {
-      const bool first_replica = mesh_.coordinate(comm::MeshDim::data) == 0;
-      for (const auto& p : this->optimizer_parameters())
-        reduction.masks.push_back(at::scalar_tensor(first_replica && counted(p) ? 1.0 : 0.0));
-    }
-    return reduction;
+    if (!norm_masks_) norm_masks_ = count_masks();  // fixed once the optimizer is prepared
+    return {&mesh_.world(), *norm_masks_};
   }
 
   /// One pipelined step's forwards and backwards (NOTE [Pipeline schedules]);
@@ -147,6 +136,25 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
   std::optional<pipeline::Pipeline> pipeline_;
   torch::nn::Sequential stage_{nullptr};
   std::unordered_set<const void*> split_;  // TensorImpls of tensor-split parameters
+  std::optional<std::vector<at::Tensor>> norm_masks_;
+
+  // NormReduction::masks for this rank (empty: everything counts).
+  std::vector<at::Tensor> count_masks() {
+    const bool first_tensor = mesh_.coordinate(comm::MeshDim::tensor) == 0;
+    auto counted = [&](const at::Tensor& p) { return first_tensor || split_.contains(p.unsafeGetTensorImpl()); };
+    std::vector<at::Tensor> masks;
+    if constexpr (shards_optimizer_state) {
+      if (settings_.tensor > 1) {
+        const auto layout = this->inner_.shard_layout();
+        masks = this->inner_.shard_masks(counted, layout.count, layout.rank);
+      }
+    } else {
+      const bool first_replica = mesh_.coordinate(comm::MeshDim::data) == 0;
+      for (const auto& p : this->optimizer_parameters())
+        masks.push_back(at::scalar_tensor(first_replica && counted(p) ? 1.0 : 0.0));
+    }
+    return masks;
+  }
 };
 
 }  // namespace accel::strategy
