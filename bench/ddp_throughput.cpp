@@ -13,7 +13,7 @@
 //   --bucket_cap_mb X        DDP{.bucket_cap_mb} (default: accel's, 25)
 //   --first_bucket_cap_mb X  DDP{.first_bucket_cap_mb} (default: accel's, 1)
 //   --comm_hook none|fp16    DDP{.comm_hook}: gradients on the wire in fp16 (default none)
-//   --plain 1                time trainer.step() as one block (no phase split)
+//   --phases N               afterwards, N steps split into phases (below; default 20, 0: none)
 //   --comm_probe K           afterwards, K rounds of the same bucket all-reduces
 //                            without any compute (communication floor)
 //   --tag NAME               label on the RESULT line (default accel_<strategy>)
@@ -22,12 +22,17 @@
 //   --cpu_offload 1          ZeRO strategies: the optimizer steps host twins (NOTE [CPU offload]);
 //                            on a CPU device this measures the offload path's copies alone
 //
-// Rank 0 prints one machine-readable line:
+// The timed steps are measured by accel::bench::compare (<accel/bench.hpp>,
+// NOTE [Strategy comparison]), the library's own facility, with one
+// strategy and one round: the scripts interleave the runs themselves.
+// Rank 0 prints every rank's model-state bytes, the bytes each kind of
+// collective moved per step beside the strategy's formula, and one
+// machine-readable line:
 //   RESULT tag=NAME world=W global_samples_per_s=X steps_per_s=Y step_ms=Z
 //          param_bytes=P grad_bytes=G optim_bytes=O
-// (step_ms: the slowest rank's mean wall time per step; the bytes are rank 0's
-// trainer.model_state_bytes() after the timed steps.) Every rank prints its
-// phase times (median ms per step) and its own model-state bytes.
+// (step_ms: the mean over steps of the slowest rank's step, comparable with
+// the PyTorch scripts' slowest total time / steps; the bytes are rank 0's.)
+// Then every rank prints its phase times (median ms per step).
 //
 // The phases split Trainer::step exactly as it runs it (trainer.hpp; FP32,
 // no scheduler, so unscale is a no-op): forward (under the precision's
@@ -43,6 +48,7 @@
 #include <torch/optim/sgd.h>
 
 #include <accel/accel.hpp>
+#include <accel/bench.hpp>
 
 #include <time.h>
 
@@ -96,6 +102,28 @@ Stats stats_of(std::vector<double> v) {
   return {v[v.size() / 2], v[std::min(v.size() - 1, v.size() * 9 / 10)], v.back(), sum / v.size()};
 }
 
+// Rank 0's lines from the facility's result: every rank's model state, the
+// bytes per step against the formula, and the RESULT line.
+void report(const accel::bench::CaseResult& r, const std::string& tag) {
+  for (const auto& f : r.ranks)
+    std::printf("[process %d] model state bytes: parameters %lld gradients %lld optimizer_state %lld total %lld; "
+                "offloaded to host %lld\n",
+                f.rank, static_cast<long long>(f.parameter_bytes), static_cast<long long>(f.gradient_bytes),
+                static_cast<long long>(f.optimizer_state_bytes),
+                static_cast<long long>(f.parameter_bytes + f.gradient_bytes + f.optimizer_state_bytes),
+                static_cast<long long>(f.offloaded_bytes));
+  std::printf("%s", accel::bench::format_table({r}).c_str());
+  double mean_ms = 0;
+  for (double t : r.step_ms) mean_ms += t / static_cast<double>(r.step_ms.size());
+  const auto& rank0 = r.ranks.front();
+  std::printf("RESULT tag=%s world=%d global_samples_per_s=%.1f steps_per_s=%.2f step_ms=%.2f param_bytes=%lld "
+              "grad_bytes=%lld optim_bytes=%lld\n",
+              tag.c_str(), r.world, static_cast<double>(r.samples_per_step) * 1e3 / mean_ms, 1e3 / mean_ms, mean_ms,
+              static_cast<long long>(rank0.parameter_bytes), static_cast<long long>(rank0.gradient_bytes),
+              static_cast<long long>(rank0.optimizer_state_bytes));
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 template <class Strategy>
@@ -104,7 +132,7 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   const int warmup = std::stoi(flag(argc, argv, "warmup", "10"));
   const std::int64_t batch = std::stoll(flag(argc, argv, "batch", "64"));
   const auto widths = parse_widths(flag(argc, argv, "widths", "512,1024,1024,1024,10"));
-  const bool plain = flag(argc, argv, "plain", "0") == "1";
+  const int phase_steps = std::stoi(flag(argc, argv, "phases", "20"));
   const int comm_probe = std::stoi(flag(argc, argv, "comm_probe", "0"));
   const std::string tag = flag(argc, argv, "tag", "accel_" + strategy_name);
   const std::string optimizer_name = flag(argc, argv, "optimizer", "sgd");
@@ -128,14 +156,43 @@ int run(int argc, char** argv, const std::string& strategy_name) {
     settings.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP;
     settings.min_num_params = std::stoll(flag(argc, argv, "min_num_params", "500000"));
   }
+  // Synthetic data, different on every rank (as a sharded loader would give).
+  std::vector<bench::Batch> batches;
+  auto make_optimizer = [&](std::vector<at::Tensor> parameters) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (optimizer_name == "adam")
+      return std::make_unique<torch::optim::Adam>(parameters, torch::optim::AdamOptions(1e-3));
+    return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(0.01));
+  };
+  auto batch_of = [&](std::int64_t i, int rank) -> const bench::Batch& {
+    if (batches.empty()) batches = bench::make_batches(8, batch, widths.front(), widths.back(), 1000 + rank);
+    return batches[i % batches.size()];
+  };
+
+  // The timed steps, measured by the library's facility.
+  accel::bench::Workload workload{
+      .model = [&](accel::comm::Communicator&) { return bench::MLP(widths); },
+      .optimizer = make_optimizer,
+      .batch = [&](std::int64_t i, int rank) {
+        const auto& b = batch_of(i, rank);
+        return accel::bench::Batch{b.data, b.target};
+      },
+      .loss = [](const at::Tensor& logits, const at::Tensor& target) { return at::cross_entropy_loss(logits, target); }};
+  const auto result =
+      accel::bench::compare(workload, {.warmup = warmup, .steps = steps, .rounds = 1, .print = false}, settings).front();
+  const char* rank_text = std::getenv("RANK");
+  const bool main_process = rank_text == nullptr || std::string(rank_text) == "0";
+  if (!result.ok) {
+    if (main_process) std::fprintf(stderr, "ddp_throughput: %s\n", result.error.c_str());
+    return EXIT_FAILURE;
+  }
+  if (main_process) report(result, tag);
+  if (phase_steps <= 0 && comm_probe <= 0) return EXIT_SUCCESS;
+
+  // The phase split and the communication probe, on a Trainer of their own.
   accel::Trainer<Strategy> trainer{settings};
   trainer.set_seed(0);
   bench::MLP model(widths);
-  std::unique_ptr<torch::optim::Optimizer> optimizer_owner;
-  if (optimizer_name == "adam")
-    optimizer_owner = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
-  else
-    optimizer_owner = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.01));
+  auto optimizer_owner = make_optimizer(model->parameters());
   torch::optim::Optimizer& optimizer = *optimizer_owner;
   trainer.prepare(model, optimizer);
   auto& engine = trainer.strategy_engine();
@@ -157,18 +214,10 @@ int run(int argc, char** argv, const std::string& strategy_name) {
                 "tensors, buckets (MiB):", layout.str(), "| bucket_cap_mb",
                 settings.bucket_cap_mb, "first_bucket_cap_mb", settings.first_bucket_cap_mb);
 
-  // Synthetic data, different on every rank (as a sharded loader would give).
-  const auto batches = bench::make_batches(8, batch, widths.front(), widths.back(), 1000 + trainer.process_index());
-
   std::vector<double> t_fwd, t_bwd, t_sync, t_opt, t_gather, t_zero, t_total;
   auto run_step = [&](int i, bool record) {
-    const auto& b = batches[i % batches.size()];
+    const auto& b = batch_of(i, trainer.process_index());
     const auto t0 = Clock::now();
-    if (plain) {
-      trainer.step([&] { return bench::loss_of(model, b); });
-      if (record) t_total.push_back(ms_since(t0));
-      return;
-    }
     at::Tensor loss;
     {
       [[maybe_unused]] auto scope = trainer.autocast();
@@ -200,22 +249,14 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   trainer.wait_for_everyone();
   const double process_cpu0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID), thread_cpu0 = cpu_ms(CLOCK_THREAD_CPUTIME_ID);
   const auto start = Clock::now();
-  for (int i = 0; i < steps; ++i) run_step(i, true);
-  const double mine = ms_since(start) / 1000.0;
-  const double process_cpu = (cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - process_cpu0) / steps;
-  const double main_cpu = (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread_cpu0) / steps;
+  for (int i = 0; i < phase_steps; ++i) run_step(i, true);
+  const double mine = ms_since(start) / std::max(phase_steps, 1);
+  const double process_cpu = (cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - process_cpu0) / std::max(phase_steps, 1);
+  const double main_cpu = (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread_cpu0) / std::max(phase_steps, 1);
   trainer.wait_for_everyone();
 
-  const at::Tensor all = trainer.gather(at::tensor(std::vector<double>{mine}));
-  const double slowest = all.max().item<double>();
-  const double samples = static_cast<double>(steps) * batch * trainer.num_processes();
-
   char line[4096];
-  if (plain) {
-    auto s = stats_of(t_total);
-    std::snprintf(line, sizeof line, "[process %d] step ms: median %.1f p90 %.1f max %.1f mean %.1f\n",
-                  trainer.process_index(), s.median, s.p90, s.max, s.mean);
-  } else {
+  if (phase_steps > 0) {
     auto f = stats_of(t_fwd), bw = stats_of(t_bwd), sy = stats_of(t_sync), op = stats_of(t_opt),
          g = stats_of(t_gather), z = stats_of(t_zero), tt = stats_of(t_total);
     std::snprintf(line, sizeof line,
@@ -224,26 +265,12 @@ int run(int argc, char** argv, const std::string& strategy_name) {
                   "zero_grad %.1f/%.1f total %.1f/%.1f\n",
                   trainer.process_index(), f.median, f.mean, bw.median, bw.mean, sy.median, sy.mean, sy.p90, sy.max,
                   op.median, op.mean, g.median, g.mean, g.p90, g.max, z.median, z.mean, tt.median, tt.mean);
+    std::fputs(line, stdout);
+    std::printf("[process %d] CPU ms per step: whole process %.1f, training thread %.1f, other threads (Gloo) %.1f; "
+                "wall %.1f\n",
+                trainer.process_index(), process_cpu, main_cpu, process_cpu - main_cpu, mine);
+    std::fflush(stdout);
   }
-  std::fputs(line, stdout);
-  std::printf("[process %d] CPU ms per step: whole process %.1f, training thread %.1f, other threads (Gloo) %.1f; "
-              "wall %.1f\n",
-              trainer.process_index(), process_cpu, main_cpu, process_cpu - main_cpu, 1e3 * mine / steps);
-  const auto state = trainer.model_state_bytes();
-  std::printf("[process %d] model state bytes: parameters %lld gradients %lld optimizer_state %lld total %lld; "
-              "offloaded to host %lld\n",
-              trainer.process_index(), static_cast<long long>(state.parameters),
-              static_cast<long long>(state.gradients), static_cast<long long>(state.optimizer_state),
-              static_cast<long long>(state.total()), static_cast<long long>(state.offloaded_total()));
-  std::fflush(stdout);
-  trainer.wait_for_everyone();
-  if (trainer.is_main_process())
-    std::printf("RESULT tag=%s world=%d global_samples_per_s=%.1f steps_per_s=%.2f step_ms=%.2f param_bytes=%lld "
-                "grad_bytes=%lld optim_bytes=%lld\n",
-                tag.c_str(), trainer.num_processes(), samples / slowest, steps / slowest, 1e3 * slowest / steps,
-                static_cast<long long>(state.parameters), static_cast<long long>(state.gradients),
-                static_cast<long long>(state.optimizer_state));
-  std::fflush(stdout);
 
   // Communication floor: the same bucket all-reduces (persistent buffers,
   // launched back to back as backward would), with no compute at all.

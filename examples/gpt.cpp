@@ -17,6 +17,7 @@
 
 #include <accel/accel.hpp>
 
+#include "flags.hpp"
 #include "gpt_model.hpp"
 
 #include <chrono>
@@ -68,15 +69,11 @@ int train(Strategy strategy, int epochs) {
   return 0;
 }
 
-std::string flag(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (argv[i] == "--" + name) return argv[i + 1];
-  return fallback;
-}
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  using example::flag;
   const std::string strategy = flag(argc, argv, "strategy", "single");
   const int epochs = std::stoi(flag(argc, argv, "epochs", "3"));
   if (strategy == "single") return train(accel::SingleProcess{}, epochs);

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "accel/comm/environment.hpp"
+#include "accel/comm/traffic.hpp"
 #include "accel/compat/torch_compat.hpp"
 
 namespace accel::comm {
@@ -54,9 +55,12 @@ class Pending {
   void wait() {
     if (!work_) return;
     auto work = std::move(work_);
+    const auto start = std::chrono::steady_clock::now();
     try {
       work->wait(timeout_);
+      record_blocked(std::chrono::steady_clock::now() - start);
     } catch (const std::exception& e) {
+      record_blocked(std::chrono::steady_clock::now() - start);
       throw CollectiveError("accel: rank " + std::to_string(rank_) + ": " + what_ +
                             " failed (a peer died, or it ran past the collective timeout): " + e.what());
     }
@@ -143,8 +147,8 @@ class Communicator {
   /// Sum across ranks, in place, asynchronously.
   Pending all_reduce_async(at::Tensor& tensor, std::string what) {
     if (!distributed()) return {};
-    ++issued_;
-    all_reduce_bytes_ += static_cast<std::uint64_t>(tensor.numel()) * tensor.element_size();
+    count(Collective::all_reduce, bytes_of(tensor));
+    all_reduce_bytes_ += bytes_of(tensor);
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.timeout = timeout_;
@@ -161,7 +165,7 @@ class Communicator {
   void all_reduce_max(at::Tensor& tensor, const std::string& what) {
     if (!distributed()) return;
     if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { all_reduce_max(t, what); });
-    ++issued_;
+    count(Collective::all_reduce, bytes_of(tensor));
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::MAX;
@@ -172,7 +176,7 @@ class Communicator {
   void broadcast(at::Tensor& tensor, int root, const std::string& what) {
     if (!distributed()) return;
     if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { broadcast(t, root, what); });
-    ++issued_;
+    count(Collective::broadcast, bytes_of(tensor));
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions options;
     options.rootRank = root;
@@ -188,7 +192,7 @@ class Communicator {
       for (auto& part : parts) part = part.to(at::kCPU);
       return parts;
     }
-    ++issued_;
+    count(Collective::all_gather, bytes_of(tensor) * static_cast<std::uint64_t>(size_));
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(tensor));
     std::vector<at::Tensor> inputs{tensor.contiguous()};
@@ -201,24 +205,26 @@ class Communicator {
   /// Point-to-point send of a contiguous tensor to rank `dst`. c10d's send
   /// takes no options, so the timeout is applied when the result is waited on.
   Pending send_async(const at::Tensor& tensor, int dst, int tag, std::string what) {
-    ++issued_;
+    count(Collective::send, bytes_of(tensor));
     std::vector<at::Tensor> tensors{tensor};
     auto work = backend().send(tensors, dst, tag);
-    p2p_bytes_sent_ += static_cast<std::uint64_t>(tensor.numel()) * tensor.element_size();
+    p2p_bytes_sent_ += bytes_of(tensor);
     return {std::move(work), std::move(what), rank_, timeout_};
   }
 
   /// Point-to-point receive into `tensor` (contiguous, of the sent size) from rank `src`.
   Pending recv_async(at::Tensor& tensor, int src, int tag, std::string what) {
-    ++issued_;
+    count(Collective::recv, bytes_of(tensor));
     std::vector<at::Tensor> tensors{tensor};
     return {backend().recv(tensors, src, tag), std::move(what), rank_, timeout_};
   }
 
   /// Equal-split all-to-all: chunk j of `input` goes to rank j; chunk j of
-  /// `output` comes from rank j (Gloo's building block for reduce-scatter).
-  Pending all_to_all_async(at::Tensor& output, at::Tensor& input, std::string what) {
-    ++issued_;
+  /// `output` comes from rank j (Gloo's building block for reduce-scatter,
+  /// which passes `counted_as` reduce_scatter so traffic says what it is).
+  Pending all_to_all_async(at::Tensor& output, at::Tensor& input, std::string what,
+                           Collective counted_as = Collective::all_to_all) {
+    count(counted_as, bytes_of(input));
     std::vector<std::int64_t> equal_splits;
     c10d::AllToAllOptions options;
     options.timeout = timeout_;
@@ -227,7 +233,7 @@ class Communicator {
 
   /// List all-gather into caller-owned chunks (one per rank, same shape).
   Pending all_gather_into_async(std::vector<at::Tensor>& chunks, at::Tensor& input, std::string what) {
-    ++issued_;
+    count(Collective::all_gather, bytes_of(input) * chunks.size());
     std::vector<std::vector<at::Tensor>> outputs{chunks};
     std::vector<at::Tensor> inputs{input};
     c10d::AllgatherOptions options;
@@ -240,7 +246,7 @@ class Communicator {
   /// in LibTorch 1.13 does not (see comm/collectives.hpp). 1.13 and 2.x both
   /// call it _reduce_scatter_base (Python's reduce_scatter_tensor).
   Pending reduce_scatter_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
-    ++issued_;
+    count(Collective::reduce_scatter, bytes_of(input));
     c10d::ReduceScatterOptions options;  // reduceOp defaults to SUM (a struct in 2.x, an enum in 1.13)
     options.timeout = timeout_;
     return {backend()._reduce_scatter_base(output, input, options), std::move(what), rank_};
@@ -250,7 +256,7 @@ class Communicator {
   /// filled in rank order. NCCL has it; Gloo in LibTorch 1.13 does not. Named
   /// _allgather_base in 1.13 and 2.x (Python's all_gather_into_tensor).
   Pending all_gather_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
-    ++issued_;
+    count(Collective::all_gather, bytes_of(output));
     c10d::AllgatherOptions options;
     options.timeout = timeout_;
     return {backend()._allgather_base(output, input, options), std::move(what), rank_};
@@ -262,13 +268,20 @@ class Communicator {
 
   void barrier(const std::string& what = "barrier (wait_for_everyone)") {
     if (!distributed()) return;
-    ++issued_;
+    count(Collective::barrier, 0);
     c10d::BarrierOptions options;
     options.timeout = timeout_;
     Pending(backend().barrier(options), what, rank_).wait();
   }
 
  private:
+  static std::uint64_t bytes_of(const at::Tensor& t) { return static_cast<std::uint64_t>(t.numel()) * t.element_size(); }
+  // Every collective is counted on this handle and in the process's traffic (comm/traffic.hpp).
+  void count(Collective kind, std::uint64_t bytes) {
+    ++issued_;
+    record_collective(kind, bytes);
+  }
+
   // NCCL moves device memory only. The blocking helpers above also take
   // host tensors (a gradient norm, an overflow flag, a checkpoint verdict):
   // under NCCL those travel through the current GPU and back.

@@ -9,7 +9,11 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/version.h>
+#if ACCEL_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -103,6 +107,24 @@ auto optimizer_state_key(const Optimizer& optimizer, const at::Tensor& parameter
   } else {
     return Key(parameter.unsafeGetTensorImpl());
   }
+}
+
+// ---------------------------------------------------------------- CUDA memory
+/// Peak bytes the caching allocator has handed out on GPU `index` since the
+/// last reset (torch.cuda.max_memory_allocated); 0 without CUDA.
+inline std::int64_t cuda_peak_allocated_bytes([[maybe_unused]] int index) {
+#if ACCEL_WITH_CUDA
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  return stats.allocated_bytes[0].peak;  // [0]: StatType::AGGREGATE (the enum moved namespaces in 2.x)
+#else
+  return 0;
+#endif
+}
+
+inline void reset_cuda_peak([[maybe_unused]] int index) {
+#if ACCEL_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
+#endif
 }
 
 }  // namespace accel::compat

@@ -37,8 +37,8 @@ struct PlanSettings {
 };
 
 struct PlannedBucket {
-  std::vector<std::size_t> params;    ///< indices into the slots, in the order assigned
-  std::vector<std::int64_t> offsets;  ///< of each parameter in the flat buffer
+  std::vector<std::size_t> params{};  ///< indices into the slots, in the order assigned
+  std::vector<std::int64_t> offsets{};  ///< of each parameter in the flat buffer
   std::int64_t numel = 0;             ///< real elements
   std::int64_t padded = 0;            ///< numel rounded up to pad_to_multiple
   int group = 0;

@@ -332,7 +332,7 @@ class BucketedEngineBase : public EngineDefaults {
     if (s.comm->native_flat_collectives())
       return s.comm->reduce_scatter_base_async(shard, grad, std::move(what));
     received = at::empty_like(grad);
-    return s.comm->all_to_all_async(received, grad, std::move(what));
+    return s.comm->all_to_all_async(received, grad, std::move(what), comm::Collective::reduce_scatter);
   }
 
   void finish_reduce_scatter(at::Tensor& shard, at::Tensor& received) {
