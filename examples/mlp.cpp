@@ -23,6 +23,7 @@
 #include <accel/accel.hpp>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -58,7 +59,7 @@ std::int64_t flag(int argc, char** argv, const std::string& name, std::int64_t f
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int train(int argc, char** argv) {
   const std::int64_t epochs = flag(argc, argv, "epochs", 3);
   const std::int64_t batch_size = flag(argc, argv, "batch_size", 64);  // per process
   const std::int64_t features = 64, classes = 10;
@@ -117,4 +118,16 @@ int main(int argc, char** argv) {
                   "test samples; global samples/s", static_cast<long long>(samples_per_s));
   }
   return EXIT_SUCCESS;
+}
+
+// 6. Errors: a failed collective (a dead peer, a timeout) throws an
+//    accel::comm::CollectiveError naming this rank, the operation and the
+//    ranks that are gone; report it and exit non-zero, as any error.
+int main(int argc, char** argv) {
+  try {
+    return train(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mlp: %s\n", e.what());
+    return EXIT_FAILURE;
+  }
 }

@@ -39,6 +39,7 @@
 #include "accel/checkpoint/state.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/environment.hpp"
+#include "accel/comm/rank_order.hpp"
 #include "accel/core/concepts.hpp"
 #include "accel/core/errors.hpp"
 #include "accel/core/policies.hpp"
@@ -331,6 +332,28 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
 
   void wait_for_everyone() { comm_.barrier(); }
 
+  /// Accelerate's main_process_first: the block holding the returned object
+  /// runs on the main process before the others (which wait at its start);
+  /// every rank must enter it.
+  ///   { auto first = trainer.main_process_first(); build_cache(); }
+  [[nodiscard]] comm::GoesFirst main_process_first() { return {comm_, is_main_process()}; }
+  /// The same with each machine's local main process first.
+  [[nodiscard]] comm::GoesFirst local_main_process_first() { return {comm_, is_local_main_process()}; }
+  /// Runs `fn` on the main process only (Accelerate's on_main_process).
+  template <class F>
+  void on_main_process(F&& fn) const {
+    if (is_main_process()) std::forward<F>(fn)();
+  }
+  template <class F>
+  void on_local_main_process(F&& fn) const {
+    if (is_local_main_process()) std::forward<F>(fn)();
+  }
+  /// Accelerate's set_trigger / check_trigger: any rank raises the flag, and
+  /// every rank's next check_trigger() (a collective: all ranks call it at
+  /// the same point) returns true, e.g. to stop every rank on a NaN loss.
+  void set_trigger() { trigger_.set(); }
+  bool check_trigger() { return trigger_.check(comm_); }
+
   /// What this rank holds now: distinct storages of the prepared models'
   /// parameters, of every gradient (the model's and the optimizer's, shared
   /// storage counted once), and of the optimizer's per-element state.
@@ -533,6 +556,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   comm::WorldInfo world_;
   at::Device device_;
   comm::Communicator comm_;
+  comm::Trigger trigger_;
   engine_type engine_;
   precision::LossScaling<Precision> scaling_;
   int accumulation_steps_ = 1;

@@ -13,6 +13,7 @@
 #define ACCEL_HAS_NCCL 1
 #endif
 
+#include <csignal>
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "accel/comm/environment.hpp"
+#include "accel/comm/liveness.hpp"
 #include "accel/comm/traffic.hpp"
 #include "accel/compat/torch_compat.hpp"
 
@@ -39,16 +41,24 @@ class CollectiveError : public std::runtime_error {
 enum class BackendKind { gloo, nccl };
 
 /// One in-flight collective; `wait()` turns a backend failure into a message
-/// that says which rank waited for what.
+/// that says which rank waited for what (the group's n-th collective), and
+/// which ranks are gone (NOTE [Naming the dead rank]).
 class Pending {
  public:
+  /// What a failure message says about the collective.
+  struct Context {
+    std::string what;
+    int rank = 0;                 ///< in the world
+    std::uint64_t sequence = 0;   ///< the how-manyth collective of its group
+    std::shared_ptr<Liveness> liveness{};
+  };
+
   Pending() = default;
-  Pending(c10::intrusive_ptr<compat::Work> work, std::string what, int rank)
-      : work_(std::move(work)), what_(std::move(what)), rank_(rank) {}
-  /// For work whose options carry no timeout (send/recv): `wait` bounds
-  /// itself by `timeout` instead of the backend's default.
-  Pending(c10::intrusive_ptr<compat::Work> work, std::string what, int rank, std::chrono::milliseconds timeout)
-      : work_(std::move(work)), what_(std::move(what)), rank_(rank), timeout_(timeout) {}
+  /// `timeout` for work whose options carry none (send/recv): `wait` bounds
+  /// itself by it instead of the backend's default (0: the backend's own bound).
+  Pending(c10::intrusive_ptr<compat::Work> work, Context context,
+          std::chrono::milliseconds timeout = std::chrono::milliseconds(0))
+      : work_(std::move(work)), context_(std::move(context)), timeout_(timeout) {}
 
   bool valid() const { return static_cast<bool>(work_); }
 
@@ -61,16 +71,19 @@ class Pending {
       record_blocked(std::chrono::steady_clock::now() - start);
     } catch (const std::exception& e) {
       record_blocked(std::chrono::steady_clock::now() - start);
-      throw CollectiveError("accel: rank " + std::to_string(rank_) + ": " + what_ +
-                            " failed (a peer died, or it ran past the collective timeout): " + e.what());
+      if (context_.liveness) context_.liveness->mark_failed();
+      const std::string gone = context_.liveness ? context_.liveness->diagnose() : "";
+      throw CollectiveError("accel: rank " + std::to_string(context_.rank) + ": " + context_.what +
+                            " (collective #" + std::to_string(context_.sequence) + " of its group) failed: " +
+                            (gone.empty() ? "a peer died, or it ran past the collective timeout" : gone) + ": " +
+                            e.what());
     }
   }
 
  private:
   c10::intrusive_ptr<compat::Work> work_;
-  std::string what_;
-  int rank_ = 0;
-  std::chrono::milliseconds timeout_{0};  // 0 is c10d's kNoTimeout: the backend's own bound
+  Context context_;
+  std::chrono::milliseconds timeout_{0};  // 0 is c10d's kNoTimeout
 };
 
 /// A process group with accel's error reporting. Default-constructed it is
@@ -91,6 +104,7 @@ class Communicator {
   static Communicator connect(const WorldInfo& info, BackendKind kind, std::chrono::milliseconds timeout) {
     Communicator comm;
     comm.rank_ = info.rank;
+    comm.world_rank_ = info.rank;
     comm.size_ = info.world_size;
     comm.timeout_ = timeout;
     comm.kind_ = kind;
@@ -110,6 +124,7 @@ class Communicator {
       throw std::logic_error("accel: rank " + std::to_string(rank_) + " is not a member of group '" + name + "'");
     Communicator sub;
     sub.rank_ = static_cast<int>(it - ranks.begin());
+    sub.world_rank_ = world_rank_;
     sub.size_ = static_cast<int>(ranks.size());
     sub.timeout_ = timeout_;
     sub.kind_ = kind_;
@@ -152,7 +167,7 @@ class Communicator {
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.timeout = timeout_;
-    return {backend().allreduce(tensors, options), std::move(what), rank_};
+    return pending(backend().allreduce(tensors, options), std::move(what));
   }
 
   void all_reduce(at::Tensor& tensor, const std::string& what) {
@@ -170,7 +185,7 @@ class Communicator {
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::MAX;
     options.timeout = timeout_;
-    Pending(backend().allreduce(tensors, options), what, rank_).wait();
+    pending(backend().allreduce(tensors, options), what).wait();
   }
 
   void broadcast(at::Tensor& tensor, int root, const std::string& what) {
@@ -181,7 +196,7 @@ class Communicator {
     c10d::BroadcastOptions options;
     options.rootRank = root;
     options.timeout = timeout_;
-    Pending(backend().broadcast(tensors, options), what, rank_).wait();
+    pending(backend().broadcast(tensors, options), what).wait();
   }
 
   /// Every rank's tensor (all the same shape), in rank order.
@@ -198,7 +213,7 @@ class Communicator {
     std::vector<at::Tensor> inputs{tensor.contiguous()};
     c10d::AllgatherOptions options;
     options.timeout = timeout_;
-    Pending(backend().allgather(outputs, inputs, options), what, rank_).wait();
+    pending(backend().allgather(outputs, inputs, options), what).wait();
     return outputs[0];
   }
 
@@ -209,14 +224,14 @@ class Communicator {
     std::vector<at::Tensor> tensors{tensor};
     auto work = backend().send(tensors, dst, tag);
     p2p_bytes_sent_ += bytes_of(tensor);
-    return {std::move(work), std::move(what), rank_, timeout_};
+    return pending(std::move(work), std::move(what), timeout_);
   }
 
   /// Point-to-point receive into `tensor` (contiguous, of the sent size) from rank `src`.
   Pending recv_async(at::Tensor& tensor, int src, int tag, std::string what) {
     count(Collective::recv, bytes_of(tensor));
     std::vector<at::Tensor> tensors{tensor};
-    return {backend().recv(tensors, src, tag), std::move(what), rank_, timeout_};
+    return pending(backend().recv(tensors, src, tag), std::move(what), timeout_);
   }
 
   /// Equal-split all-to-all: chunk j of `input` goes to rank j; chunk j of
@@ -228,7 +243,7 @@ class Communicator {
     std::vector<std::int64_t> equal_splits;
     c10d::AllToAllOptions options;
     options.timeout = timeout_;
-    return {backend().alltoall_base(output, input, equal_splits, equal_splits, options), std::move(what), rank_};
+    return pending(backend().alltoall_base(output, input, equal_splits, equal_splits, options), std::move(what));
   }
 
   /// List all-gather into caller-owned chunks (one per rank, same shape).
@@ -238,7 +253,7 @@ class Communicator {
     std::vector<at::Tensor> inputs{input};
     c10d::AllgatherOptions options;
     options.timeout = timeout_;
-    return {backend().allgather(outputs, inputs, options), std::move(what), rank_};
+    return pending(backend().allgather(outputs, inputs, options), std::move(what));
   }
 
   /// Native flat reduce-scatter (sum): `input` holds size() equal shards of
@@ -249,7 +264,7 @@ class Communicator {
     count(Collective::reduce_scatter, bytes_of(input));
     c10d::ReduceScatterOptions options;  // reduceOp defaults to SUM (a struct in 2.x, an enum in 1.13)
     options.timeout = timeout_;
-    return {backend()._reduce_scatter_base(output, input, options), std::move(what), rank_};
+    return pending(backend()._reduce_scatter_base(output, input, options), std::move(what));
   }
 
   /// Native flat all-gather: `output` is size() copies of `input`'s length,
@@ -259,7 +274,7 @@ class Communicator {
     count(Collective::all_gather, bytes_of(output));
     c10d::AllgatherOptions options;
     options.timeout = timeout_;
-    return {backend()._allgather_base(output, input, options), std::move(what), rank_};
+    return pending(backend()._allgather_base(output, input, options), std::move(what));
   }
 
   /// Bytes this communicator has handed to `send_async` so far: lets tests
@@ -271,10 +286,14 @@ class Communicator {
     count(Collective::barrier, 0);
     c10d::BarrierOptions options;
     options.timeout = timeout_;
-    Pending(backend().barrier(options), what, rank_).wait();
+    pending(backend().barrier(options), what).wait();
   }
 
  private:
+  Pending pending(c10::intrusive_ptr<compat::Work> work, std::string what,
+                  std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const {
+    return {std::move(work), {std::move(what), world_rank_, issued_, group_ ? group_->liveness : nullptr}, timeout};
+  }
   static std::uint64_t bytes_of(const at::Tensor& t) { return static_cast<std::uint64_t>(t.numel()) * t.element_size(); }
   // Every collective is counted on this handle and in the process's traffic (comm/traffic.hpp).
   void count(Collective kind, std::uint64_t bytes) {
@@ -307,7 +326,26 @@ class Communicator {
     BackendKind kind;
     c10::intrusive_ptr<c10d::Store> store;
     c10::intrusive_ptr<compat::CollectiveBackend> backend;
+    std::shared_ptr<Liveness> liveness;  // last: its heartbeat stops before the store goes
+
+    Group() = default;
+    Group(const Group&) = default;
+    // Once a collective of the job failed, the backend is left to the
+    // operating system: ProcessGroupGloo's destructor would wait for the
+    // collectives still queued, each until the timeout (NOTE [Naming the dead rank]).
+    ~Group() {
+      if (liveness && liveness->failed()) (void)backend.release();
+    }
   };
+
+  // Writing to a dead peer's socket raises SIGPIPE, whose default action
+  // ends the process with no message at all. Ignored (as Python does), the
+  // write fails instead and the collective reports it. A handler the program
+  // installed itself is left alone.
+  static void ignore_sigpipe() {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+  }
 
   static std::shared_ptr<Group> shared_group(const WorldInfo& info, BackendKind kind,
                                              std::chrono::milliseconds timeout) {
@@ -318,6 +356,7 @@ class Communicator {
       if (g->kind == kind && g->world.rank == info.rank && g->world.world_size == info.world_size &&
           g->world.master_addr == info.master_addr && g->world.master_port == info.master_port)
         return g;
+    ignore_sigpipe();
     auto group = std::make_shared<Group>();
     group->world = info;
     group->kind = kind;
@@ -337,6 +376,7 @@ class Communicator {
     }
     group->backend = make_backend(kind, c10::make_intrusive<c10d::PrefixStore>("accel/world", group->store),
                                   info.rank, info.world_size, info.master_addr, timeout);
+    group->liveness = std::make_shared<Liveness>(info.master_addr, info.master_port, info.rank, info.world_size, timeout);
     groups.push_back(group);
     return group;
   }
@@ -378,6 +418,7 @@ class Communicator {
   }
 
   int rank_ = 0;
+  int world_rank_ = 0;  // in error messages: the rank a user launched
   int size_ = 1;
   std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
   BackendKind kind_ = BackendKind::gloo;

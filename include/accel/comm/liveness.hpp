@@ -1,0 +1,161 @@
+#pragma once
+// NOTE [Naming the dead rank]
+// When a collective fails, Gloo says which socket closed, not which rank
+// is gone. So every rank of a job keeps a heartbeat in the rendezvous store
+// (a counter under accel/heartbeat/<rank>, advanced every `period` by a
+// thread with its own store connection), and a rank whose collective fails
+// reads every counter twice, `window` apart: a counter that did not move
+// belongs to a rank that died or froze; one that moved, to a rank that is
+// alive (perhaps stuck in another collective). If the store itself is
+// unreachable, rank 0, which hosts it, is gone. No clocks are compared, so
+// it works across machines.
+//
+// A rank whose collective failed first marks itself failed
+// (accel/failed/<rank>) and stops beating: the others then say it failed
+// too instead of calling it gone, and its process group, whose destructor
+// would wait out the timeout on the collectives still queued, is left to
+// the operating system at exit (Communicator's group registry), so the
+// rank exits with its error instead of hanging.
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace accel::comm {
+
+class Liveness {
+ public:
+  static constexpr std::chrono::milliseconds default_period{250};
+
+  /// Starts this rank's heartbeat against the store at `host:port`.
+  Liveness(std::string host, int port, int rank, int world_size, std::chrono::milliseconds timeout,
+           std::chrono::milliseconds period = default_period)
+      : host_(std::move(host)), port_(port), rank_(rank), world_size_(world_size), timeout_(timeout), period_(period) {
+    beat_ = std::thread([this] { run(); });
+  }
+  ~Liveness() { stop(); }
+  Liveness(const Liveness&) = delete;
+  Liveness& operator=(const Liveness&) = delete;
+
+  /// This rank's collective failed: say so in the store, stop beating.
+  void mark_failed() noexcept {
+    if (failed_.exchange(true)) return;
+    stop();
+    try {
+      connect(std::chrono::milliseconds(2000))->set(failed_key(rank_), std::vector<std::uint8_t>{'1'});
+    } catch (const std::exception&) {
+      // The store is gone: diagnose() will say so.
+    }
+  }
+  bool failed() const { return failed_; }
+
+  /// What a failed collective can say about its peers, e.g. "rank 2 is gone
+  /// (its heartbeat stopped: died or froze)", or that every rank is alive
+  /// (so one skipped the collective). Takes about 3 periods; never throws.
+  std::string diagnose() const noexcept {
+    try {
+      auto store = connect(std::chrono::milliseconds(2000));
+      const auto first = read_all(*store);
+      std::this_thread::sleep_for(3 * period_);
+      const auto second = read_all(*store);
+      std::vector<int> silent;  // neither beating nor failed in a collective of their own
+      for (int r = 0; r < world_size_; ++r)
+        if (r != rank_ && second[r] == first[r] && !store->check({failed_key(r)})) silent.push_back(r);
+      if (rank_ == 0) hold_store_for_peers(*store, silent);
+      if (silent.empty())
+        return "every other rank is alive (their heartbeats go on), so one of them did not reach this collective: "
+               "it is stuck elsewhere or skipped it (a collective under if (is_main_process()), a different number "
+               "of steps or batches)";
+      std::string ranks;
+      for (std::size_t k = 0; k < silent.size(); ++k)
+        ranks += (k == 0 ? "" : k + 1 == silent.size() ? " and " : ", ") + std::to_string(silent[k]);
+      return (silent.size() == 1 ? "rank " + ranks + " is gone (its heartbeat stopped" : "ranks " + ranks +
+                                                                                              " are gone (their heartbeats stopped") +
+             ": died or froze)";
+    } catch (const std::exception&) {
+      return "rank 0 is gone (the rendezvous store it hosts at " + host_ + ":" + std::to_string(port_) +
+             " does not answer: it died, froze or exited)";
+    }
+  }
+
+ private:
+  static std::string key(int rank) { return "accel/heartbeat/" + std::to_string(rank); }
+  static std::string failed_key(int rank) { return "accel/failed/" + std::to_string(rank); }
+
+  // Rank 0 hosts the store: before it exits with its error, it waits (a
+  // few seconds at most) for every rank still alive to fail too, so that
+  // their roll calls find the store.
+  void hold_store_for_peers(c10d::TCPStore& store, const std::vector<int>& gone) const {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    for (int r = 1; r < world_size_; ++r) {
+      if (std::find(gone.begin(), gone.end(), r) != gone.end()) continue;
+      while (!store.check({failed_key(r)}) && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    std::this_thread::sleep_for(4 * period_);  // the last one's roll call reads the store for 3 periods
+  }
+
+  std::unique_ptr<c10d::TCPStore> connect(std::chrono::milliseconds timeout) const {
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<std::uint16_t>(port_);
+    options.isServer = false;
+    options.timeout = timeout;
+    return std::make_unique<c10d::TCPStore>(host_, options);
+  }
+
+  void stop() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (beat_.joinable() && beat_.get_id() != std::this_thread::get_id()) beat_.join();
+  }
+
+  // -1 for a rank that never beat.
+  std::vector<std::int64_t> read_all(c10d::TCPStore& store) const {
+    std::vector<std::int64_t> beats(world_size_, -1);
+    for (int r = 0; r < world_size_; ++r)
+      if (store.check({key(r)})) beats[r] = store.add(key(r), 0);
+    return beats;
+  }
+
+  void run() {
+    try {
+      // Short: a beat blocked on a dead store must not hold up stop() for the collective timeout.
+      auto store = connect(std::min(timeout_, std::chrono::milliseconds(2000)));
+      std::unique_lock<std::mutex> lock(mutex_);
+      while (!stopping_) {
+        lock.unlock();
+        store->add(key(rank_), 1);
+        lock.lock();
+        wake_.wait_for(lock, period_, [this] { return stopping_; });
+      }
+    } catch (const std::exception&) {
+      // The store is gone (rank 0 ended or died): nothing left to tell.
+    }
+  }
+
+  std::string host_;
+  int port_;
+  int rank_;
+  int world_size_;
+  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds period_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::atomic<bool> failed_{false};
+  std::thread beat_;
+};
+
+}  // namespace accel::comm
