@@ -70,7 +70,8 @@ class Liveness {
       std::vector<int> silent;  // neither beating nor failed in a collective of their own
       for (int r = 0; r < world_size_; ++r)
         if (r != rank_ && second[r] == first[r] && !store->check({failed_key(r)})) silent.push_back(r);
-      if (rank_ == 0) hold_store_for_peers(*store, silent);
+      // Only after a death do the survivors fail together and need the store for their roll calls.
+      if (rank_ == 0 && !silent.empty()) hold_store_for_peers(*store, silent);
       if (silent.empty())
         return "every other rank is alive (their heartbeats go on), so one of them did not reach this collective: "
                "it is stuck elsewhere or skipped it (a collective under if (is_main_process()), a different number "
@@ -91,9 +92,9 @@ class Liveness {
   static std::string key(int rank) { return "accel/heartbeat/" + std::to_string(rank); }
   static std::string failed_key(int rank) { return "accel/failed/" + std::to_string(rank); }
 
-  // Rank 0 hosts the store: before it exits with its error, it waits (a
-  // few seconds at most) for every rank still alive to fail too, so that
-  // their roll calls find the store.
+  // Rank 0 hosts the store: when a peer died, it waits (5 s at most) for
+  // every rank still alive to fail too before it exits with its error, so
+  // that their roll calls find the store.
   void hold_store_for_peers(c10d::TCPStore& store, const std::vector<int>& gone) const {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     for (int r = 1; r < world_size_; ++r) {
