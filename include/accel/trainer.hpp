@@ -71,6 +71,11 @@ struct TrainerOptions {
   std::filesystem::path project_dir = ".";
   /// Keep at most this many automatically named checkpoints (0: keep all).
   int total_limit = 0;
+  /// Before each collective the ranks check that they agree on it, and every
+  /// rank raises comm::CollectiveMismatch with each rank's view where they do
+  /// not (NOTE [Debug mode] in comm/communicator.hpp). Unset:
+  /// ACCELERATE_DEBUG_MODE (what `accel launch --debug` sets), else off.
+  std::optional<bool> debug{};
 };
 
 namespace detail {
@@ -457,7 +462,9 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
                                  " independent copies: use accel::DDP, or launch one process");
       return comm::Communicator{};
     } else {
-      return comm::Communicator::connect(world, device::traits<Device>::backend, options.timeout);
+      auto comm = comm::Communicator::connect(world, device::traits<Device>::backend, options.timeout);
+      comm.set_debug(launch::debug_mode(options.debug));
+      return comm;
     }
   }
 

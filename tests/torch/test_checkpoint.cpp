@@ -476,6 +476,39 @@ TEST_SUITE("checkpoint") {
         bounded(120s));
   }
 
+  TEST_CASE("debug mode (ACCELERATE_DEBUG_MODE=true) raises no false mismatch and changes nothing: exact resume "
+            "under DDP, ZeRO-2, ZeRO-3, Parallel<> tensor 2 and pipeline 2, every collective checked") {
+    ScopedEnv env;
+    env.set("ACCELERATE_DEBUG_MODE", "true");  // the forked ranks inherit it
+    const auto dir = fresh_dir("debug_mode");
+    RemoveOnExit cleanup{dir};
+    auto checked = [](auto&& run) {
+      return [run](int) {
+        using accel::comm::Collective;
+        const auto before = accel::comm::process_traffic();
+        run();
+        const auto sent = accel::comm::process_traffic() - before;
+        // On in every rank (the Trainer reads it as the faults suite tests), and
+        // sent: at least one check per step (3 + 3 + 6 steps), save and load.
+        require(accel::launch::debug_mode(std::nullopt), "ACCELERATE_DEBUG_MODE reached the rank");
+        require(sent.calls_of(Collective::all_gather) >= 12, "the checks were sent");
+      };
+    };
+    accel::spawn(2, checked([&] { interrupted_equals_uninterrupted<accel::DDP>(dir, 3, 6); }), bounded(120s));
+    fs::remove_all(dir);
+    accel::spawn(2, checked([&] { interrupted_equals_uninterrupted<accel::ZeRO<2>>(dir, 3, 6); }), bounded(120s));
+    fs::remove_all(dir);
+    accel::spawn(2, checked([&] { interrupted_equals_uninterrupted<accel::ZeRO<3>>(dir, 3, 6); }), bounded(120s));
+    fs::remove_all(dir);
+    accel::spawn(2, checked([&] { parallel_interrupted_equals_uninterrupted<accel::DDP>(dir, {.tensor = 2}, 3, 6); }),
+                 bounded(120s));
+    fs::remove_all(dir);
+    accel::spawn(2, checked([&] {
+                   parallel_interrupted_equals_uninterrupted<accel::DDP>(dir, {.pipeline = 2, .micro_batches = 2}, 3, 6);
+                 }),
+                 bounded(120s));
+  }
+
   TEST_CASE_TEMPLATE("exact resume under Parallel<Data>, data 2 x tensor 2 on 4 ranks: bitwise equal", Data, accel::DDP,
                      accel::ZeRO<1>, accel::ZeRO<2>, accel::ZeRO<3>) {
     const auto dir = fresh_dir("parallel_data");

@@ -1,6 +1,8 @@
 // Faults and the cross-rank helpers: a dead rank named by every survivor
 // (NOTE [Naming the dead rank]), SIGPIPE that no longer kills a survivor
-// silently, main_process_first, on_main_process, set_trigger/check_trigger.
+// silently, debug mode's check that the ranks agree on each collective
+// (NOTE [Debug mode]), main_process_first, on_main_process,
+// set_trigger/check_trigger.
 // Ranks are forked as torchrun or srun would start them (no `accel launch`).
 #include <torch/optim/sgd.h>
 
@@ -150,5 +152,90 @@ TEST_SUITE("faults") {
           }
         },
         bounded());
+  }
+
+  TEST_CASE("debug mode: a collective called on the main process only raises on every rank, with each rank's view, "
+            "instead of pairing with the others' next collective") {
+    const std::string result = temp_path("debug_main_only");
+    accel::spawn(
+        2,
+        [&](int rank) {
+          accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.timeout = 10s, .debug = true});
+          report_collective_failure(result + "_" + std::to_string(rank), [&] {
+            if (trainer.is_main_process()) (void)trainer.gather_for_metrics(at::ones({3}));
+            trainer.wait_for_everyone();
+          });
+        },
+        bounded(60s));
+    for (int rank : {0, 1}) {
+      const std::string text = take_file(result + "_" + std::to_string(rank));
+      INFO("rank ", rank, ": ", text);
+      REQUIRE(reports_failure(text));
+      CHECK(text.find("accel: rank " + std::to_string(rank) + ": the ranks of a group of 2 disagree on its "
+                      "collective #1 (debug mode)") != std::string::npos);
+      const std::string me = " (this rank)";
+      CHECK(text.find("rank 0" + (rank == 0 ? me : "") + ": all_gather #1 Float[3] for gather_for_metrics") !=
+            std::string::npos);
+      CHECK(text.find("rank 1" + (rank == 1 ? me : "") + ": barrier #1 for barrier (wait_for_everyone)") !=
+            std::string::npos);
+      CHECK(failure_seconds(text) < 5.0);  // found at once, not at the 10 s timeout
+    }
+  }
+
+  TEST_CASE("debug mode: a shape that differs on one rank is caught before anything is reduced; off, nothing is "
+            "checked") {
+    const std::string result = temp_path("debug_shape");
+    for (bool debug : {true, false}) {
+      accel::spawn(
+          2,
+          [&](int rank) {
+            auto comm = accel::comm::Communicator::connect(accel::comm::world_from_environment(),
+                                                           accel::comm::BackendKind::gloo, 10s);
+            comm.set_debug(debug);
+            // The check is one all-gather of each rank's signature before the collective.
+            using accel::comm::Collective;
+            const auto gathers_before = accel::comm::process_traffic().calls_of(Collective::all_gather);
+            at::Tensor agreed = at::full({2, 2}, rank + 1.0);
+            comm.all_reduce(agreed, "agreed");  // the same shape everywhere: passes either way
+            require(agreed.equal(at::full({2, 2}, 3.0)), "the agreed all-reduce sums");
+            const auto checks = accel::comm::process_traffic().calls_of(Collective::all_gather) - gathers_before;
+            require(checks == (debug ? 1u : 0u), "checks sent: " + std::to_string(checks));
+            if (!debug) {
+              std::ofstream(result + "_" + std::to_string(rank)) << "off";
+              return;
+            }
+            at::Tensor mine = at::ones({rank == 0 ? 3 : 4});
+            report_collective_failure(result + "_" + std::to_string(rank),
+                                      [&] { comm.all_reduce(mine, "all-reduce of the loss"); });
+            require(mine.equal(at::ones({rank == 0 ? 3 : 4})), "rank " + std::to_string(rank) + ": nothing reduced");
+          },
+          bounded(60s));
+      for (int rank : {0, 1}) {
+        const std::string text = take_file(result + "_" + std::to_string(rank));
+        INFO("debug ", debug, ", rank ", rank, ": ", text);
+        if (!debug) {
+          CHECK(text == "off");
+          continue;
+        }
+        REQUIRE(reports_failure(text));
+        CHECK(text.find("disagree on its collective #2 (debug mode)") != std::string::npos);
+        CHECK(failure_seconds(text) < 5.0);
+        CHECK(text.find(": all_reduce #2 Float[3] for all-reduce of the loss") != std::string::npos);
+        CHECK(text.find(": all_reduce #2 Float[4] for all-reduce of the loss") != std::string::npos);
+      }
+    }
+  }
+
+  TEST_CASE("debug mode comes from TrainerOptions::debug, else ACCELERATE_DEBUG_MODE (accel launch --debug); a value "
+            "that is not true or false is refused") {
+    ScopedEnv env;
+    env.set("ACCELERATE_DEBUG_MODE", "false");
+    CHECK_FALSE(accel::Trainer<accel::DDP>().communicator().debug());
+    CHECK(accel::Trainer<accel::DDP>(accel::TrainerOptions{.debug = true}).communicator().debug());
+    env.set("ACCELERATE_DEBUG_MODE", "true");
+    CHECK(accel::Trainer<accel::DDP>().communicator().debug());
+    CHECK_FALSE(accel::Trainer<accel::DDP>(accel::TrainerOptions{.debug = false}).communicator().debug());
+    env.set("ACCELERATE_DEBUG_MODE", "maybe");
+    CHECK_THROWS_WITH(accel::Trainer<accel::DDP>(), doctest::Contains("ACCELERATE_DEBUG_MODE='maybe' is not true or false"));
   }
 }

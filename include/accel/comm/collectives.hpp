@@ -161,6 +161,7 @@ inline at::Tensor reduce_scatter(Communicator& comm, const at::Tensor& input, co
     comm.reduce_scatter_base_async(out, flat_rows, what + " (reduce-scatter)").wait();
     mine = even ? out : out.narrow(0, 0, shard_range(total, n, r).size).clone();  // (size(r))
   } else {
+    comm.begin_composite(Collective::reduce_scatter, work, what + " (reduce-scatter)");
     mine = detail::ring_reduce_scatter(comm, work, what);  // (size(r))
   }
   return widen ? mine.to(input.scalar_type()) : mine;

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #if defined(USE_C10D_NCCL) && __has_include(<torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>)
@@ -38,6 +39,13 @@ class CollectiveError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// In debug mode: the ranks of a group were about to call different
+/// collectives, or the same one with different shapes (NOTE [Debug mode]).
+class CollectiveMismatch : public CollectiveError {
+ public:
+  using CollectiveError::CollectiveError;
+};
+
 enum class BackendKind { gloo, nccl };
 
 /// One in-flight collective; `wait()` turns a backend failure into a message
@@ -50,6 +58,7 @@ class Pending {
     std::string what;
     int rank = 0;                 ///< in the world
     std::uint64_t sequence = 0;   ///< the how-manyth collective of its group
+    bool point_to_point = false;  ///< a send or receive, issued after collective #sequence
     std::shared_ptr<Liveness> liveness{};
   };
 
@@ -73,8 +82,9 @@ class Pending {
       record_blocked(std::chrono::steady_clock::now() - start);
       if (context_.liveness) context_.liveness->mark_failed();
       const std::string gone = context_.liveness ? context_.liveness->diagnose() : "";
-      throw CollectiveError("accel: rank " + std::to_string(context_.rank) + ": " + context_.what +
-                            " (collective #" + std::to_string(context_.sequence) + " of its group) failed: " +
+      throw CollectiveError("accel: rank " + std::to_string(context_.rank) + ": " + context_.what + " (" +
+                            (context_.point_to_point ? "after " : "") + "collective #" +
+                            std::to_string(context_.sequence) + " of its group) failed: " +
                             (gone.empty() ? "a peer died, or it ran past the collective timeout" : gone) + ": " +
                             e.what());
     }
@@ -100,7 +110,8 @@ class Communicator {
 
   /// Rendezvous at `info.master_addr:master_port` (rank 0 hosts the store)
   /// and connect every rank. Fails with a message naming the rank and the
-  /// address when a peer does not arrive within `timeout`.
+  /// address when a peer does not arrive within `timeout` (at least a
+  /// minute: see rendezvous_timeout).
   static Communicator connect(const WorldInfo& info, BackendKind kind, std::chrono::milliseconds timeout) {
     Communicator comm;
     comm.rank_ = info.rank;
@@ -128,8 +139,10 @@ class Communicator {
     sub.size_ = static_cast<int>(ranks.size());
     sub.timeout_ = timeout_;
     sub.kind_ = kind_;
+    sub.debug_ = debug_;
     if (sub.size_ > 1) {
       auto group = std::make_shared<Group>(*group_);
+      group->sequence = 0;
       group->world.rank = sub.rank_;
       group->world.world_size = sub.size_;
       const std::string prefix = "accel/group/" + name + "/" + std::to_string(next_generation(name, group_->world));
@@ -142,6 +155,14 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+
+  /// Debug mode: before each collective the ranks check that they agree on
+  /// it, and raise CollectiveMismatch with every rank's view where they do
+  /// not (NOTE [Debug mode]). Every rank must set the same; sub-groups made
+  /// afterwards inherit it. The Trainer sets it from TrainerOptions::debug
+  /// or ACCELERATE_DEBUG_MODE (`accel launch --debug`).
+  void set_debug(bool on) { debug_ = on; }
+  bool debug() const { return debug_; }
   bool distributed() const { return size_ > 1; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   /// Which backend the collectives run on: callers pick native or built
@@ -162,7 +183,7 @@ class Communicator {
   /// Sum across ranks, in place, asynchronously.
   Pending all_reduce_async(at::Tensor& tensor, std::string what) {
     if (!distributed()) return {};
-    count(Collective::all_reduce, bytes_of(tensor));
+    count(Collective::all_reduce, bytes_of(tensor), tensor, what);
     all_reduce_bytes_ += bytes_of(tensor);
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
@@ -180,7 +201,7 @@ class Communicator {
   void all_reduce_max(at::Tensor& tensor, const std::string& what) {
     if (!distributed()) return;
     if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { all_reduce_max(t, what); });
-    count(Collective::all_reduce, bytes_of(tensor));
+    count(Collective::all_reduce, bytes_of(tensor), tensor, what + " (maximum)");
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::MAX;
@@ -191,7 +212,7 @@ class Communicator {
   void broadcast(at::Tensor& tensor, int root, const std::string& what) {
     if (!distributed()) return;
     if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { broadcast(t, root, what); });
-    count(Collective::broadcast, bytes_of(tensor));
+    count(Collective::broadcast, bytes_of(tensor), tensor, what + " (from rank " + std::to_string(root) + ")");
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions options;
     options.rootRank = root;
@@ -207,7 +228,7 @@ class Communicator {
       for (auto& part : parts) part = part.to(at::kCPU);
       return parts;
     }
-    count(Collective::all_gather, bytes_of(tensor) * static_cast<std::uint64_t>(size_));
+    count(Collective::all_gather, bytes_of(tensor) * static_cast<std::uint64_t>(size_), tensor, what);
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(tensor));
     std::vector<at::Tensor> inputs{tensor.contiguous()};
@@ -220,18 +241,18 @@ class Communicator {
   /// Point-to-point send of a contiguous tensor to rank `dst`. c10d's send
   /// takes no options, so the timeout is applied when the result is waited on.
   Pending send_async(const at::Tensor& tensor, int dst, int tag, std::string what) {
-    count(Collective::send, bytes_of(tensor));
+    count(Collective::send, bytes_of(tensor), tensor, what);
     std::vector<at::Tensor> tensors{tensor};
     auto work = backend().send(tensors, dst, tag);
     p2p_bytes_sent_ += bytes_of(tensor);
-    return pending(std::move(work), std::move(what), timeout_);
+    return pending(std::move(work), std::move(what), timeout_, true);
   }
 
   /// Point-to-point receive into `tensor` (contiguous, of the sent size) from rank `src`.
   Pending recv_async(at::Tensor& tensor, int src, int tag, std::string what) {
-    count(Collective::recv, bytes_of(tensor));
+    count(Collective::recv, bytes_of(tensor), tensor, what);
     std::vector<at::Tensor> tensors{tensor};
-    return pending(backend().recv(tensors, src, tag), std::move(what), timeout_);
+    return pending(backend().recv(tensors, src, tag), std::move(what), timeout_, true);
   }
 
   /// Equal-split all-to-all: chunk j of `input` goes to rank j; chunk j of
@@ -239,7 +260,7 @@ class Communicator {
   /// which passes `counted_as` reduce_scatter so traffic says what it is).
   Pending all_to_all_async(at::Tensor& output, at::Tensor& input, std::string what,
                            Collective counted_as = Collective::all_to_all) {
-    count(counted_as, bytes_of(input));
+    count(counted_as, bytes_of(input), input, what);
     std::vector<std::int64_t> equal_splits;
     c10d::AllToAllOptions options;
     options.timeout = timeout_;
@@ -248,7 +269,7 @@ class Communicator {
 
   /// List all-gather into caller-owned chunks (one per rank, same shape).
   Pending all_gather_into_async(std::vector<at::Tensor>& chunks, at::Tensor& input, std::string what) {
-    count(Collective::all_gather, bytes_of(input) * chunks.size());
+    count(Collective::all_gather, bytes_of(input) * chunks.size(), input, what);
     std::vector<std::vector<at::Tensor>> outputs{chunks};
     std::vector<at::Tensor> inputs{input};
     c10d::AllgatherOptions options;
@@ -261,7 +282,7 @@ class Communicator {
   /// in LibTorch 1.13 does not (see comm/collectives.hpp). 1.13 and 2.x both
   /// call it _reduce_scatter_base (Python's reduce_scatter_tensor).
   Pending reduce_scatter_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
-    count(Collective::reduce_scatter, bytes_of(input));
+    count(Collective::reduce_scatter, bytes_of(input), input, what);
     c10d::ReduceScatterOptions options;  // reduceOp defaults to SUM (a struct in 2.x, an enum in 1.13)
     options.timeout = timeout_;
     return pending(backend()._reduce_scatter_base(output, input, options), std::move(what));
@@ -271,10 +292,18 @@ class Communicator {
   /// filled in rank order. NCCL has it; Gloo in LibTorch 1.13 does not. Named
   /// _allgather_base in 1.13 and 2.x (Python's all_gather_into_tensor).
   Pending all_gather_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
-    count(Collective::all_gather, bytes_of(output));
+    count(Collective::all_gather, bytes_of(output), input, what);
     c10d::AllgatherOptions options;
     options.timeout = timeout_;
     return pending(backend()._allgather_base(output, input, options), std::move(what));
+  }
+
+  /// A collective built from point-to-point parts (Gloo's ring
+  /// reduce-scatter, comm/collectives.hpp) enters here first: it is numbered
+  /// in the group and checked in debug mode like a native one; its sends and
+  /// receives count their own bytes.
+  void begin_composite(Collective kind, const at::Tensor& tensor, const std::string& what) {
+    if (distributed()) number(kind, tensor, what);
   }
 
   /// Bytes this communicator has handed to `send_async` so far: lets tests
@@ -283,7 +312,7 @@ class Communicator {
 
   void barrier(const std::string& what = "barrier (wait_for_everyone)") {
     if (!distributed()) return;
-    count(Collective::barrier, 0);
+    count(Collective::barrier, 0, at::Tensor(), what);
     c10d::BarrierOptions options;
     options.timeout = timeout_;
     pending(backend().barrier(options), what).wait();
@@ -291,14 +320,81 @@ class Communicator {
 
  private:
   Pending pending(c10::intrusive_ptr<compat::Work> work, std::string what,
-                  std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const {
-    return {std::move(work), {std::move(what), world_rank_, issued_, group_ ? group_->liveness : nullptr}, timeout};
+                  std::chrono::milliseconds timeout = std::chrono::milliseconds(0), bool point_to_point = false) const {
+    return {std::move(work),
+            {std::move(what), world_rank_, sequence_, point_to_point, group_ ? group_->liveness : nullptr},
+            timeout};
   }
   static std::uint64_t bytes_of(const at::Tensor& t) { return static_cast<std::uint64_t>(t.numel()) * t.element_size(); }
-  // Every collective is counted on this handle and in the process's traffic (comm/traffic.hpp).
-  void count(Collective kind, std::uint64_t bytes) {
+  // Every collective is counted on this handle and in the process's traffic
+  // (comm/traffic.hpp), numbered in its group and, in debug mode, checked.
+  void count(Collective kind, std::uint64_t bytes, const at::Tensor& tensor, const std::string& what) {
     ++issued_;
     record_collective(kind, bytes);
+    if (kind == Collective::send || kind == Collective::recv) return;  // pairs, not the group
+    number(kind, tensor, what);
+  }
+  void number(Collective kind, const at::Tensor& tensor, const std::string& what) {
+    sequence_ = ++group_->sequence;
+    if (debug_) check_agreement(kind, tensor, what);
+  }
+
+  // NOTE [Debug mode]
+  // A collective that one rank skips, or calls with another shape, does not
+  // fail: the ranks pair it with whatever the others call next, and the job
+  // hangs or trains on the wrong data. In debug mode (Accelerate's
+  // ACCELERATE_DEBUG_MODE / verify_operation, PyTorch's
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL) every rank first all-gathers a fixed-size
+  // signature of what it is about to call (operation, number in its group,
+  // dtype and shape, what it is for) and compares: on a mismatch every rank
+  // raises with each rank's view. It costs one small all-gather per
+  // collective (counted in the process's traffic, not in the group's
+  // numbering); off, one branch. Point-to-point sends and receives pair two
+  // ranks, not the group, and are neither numbered nor checked.
+  static constexpr std::int64_t signature_bytes = 240;
+
+  std::string signature(Collective kind, const at::Tensor& tensor, const std::string& what) const {
+    std::string text = std::string(collective_name(kind)) + " #" + std::to_string(sequence_);
+    if (tensor.defined()) {
+      text += std::string(" ") + c10::toString(tensor.scalar_type()) + "[";
+      for (std::int64_t d = 0; d < tensor.dim(); ++d) text += (d ? ", " : "") + std::to_string(tensor.size(d));
+      text += "]";
+    }
+    text += " for " + what;
+    if (text.size() > static_cast<std::size_t>(signature_bytes)) text.resize(signature_bytes);
+    return text;
+  }
+
+  void check_agreement(Collective kind, const at::Tensor& tensor, const std::string& what) {
+    const std::string mine = signature(kind, tensor, what);
+    at::Tensor wire = at::zeros({signature_bytes}, at::TensorOptions().dtype(at::kByte));
+    std::copy(mine.begin(), mine.end(), wire.data_ptr<std::uint8_t>());
+    if (kind_ == BackendKind::nccl) wire = wire.to(at::Device(at::kCUDA));
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(wire));
+    std::vector<at::Tensor> inputs{wire};
+    record_collective(Collective::all_gather, static_cast<std::uint64_t>(signature_bytes * size_));
+    c10d::AllgatherOptions options;
+    options.timeout = timeout_;
+    pending(backend().allgather(outputs, inputs, options), "debug-mode check before " + what).wait();
+    std::vector<std::string> views;
+    bool agree = true;
+    for (auto& part : outputs[0]) {
+      const at::Tensor bytes = part.to(at::kCPU);
+      const auto* data = bytes.data_ptr<std::uint8_t>();
+      views.emplace_back(reinterpret_cast<const char*>(data), std::find(data, data + signature_bytes, 0) - data);
+      agree = agree && views.back() == mine;
+    }
+    if (agree) return;
+    std::string message = "accel: rank " + std::to_string(world_rank_) + ": the ranks of a group of " +
+                          std::to_string(size_) + " disagree on its collective #" + std::to_string(sequence_) +
+                          " (debug mode):";
+    for (int r = 0; r < size_; ++r)
+      message += "\n  rank " + std::to_string(r) + (r == rank_ ? " (this rank)" : "") + ": " + views[r];
+    message +=
+        "\nEvery rank of a group must call the same collectives in the same order with the same shapes "
+        "(is one called under `if (is_main_process())`, or skipped on some ranks?)";
+    throw CollectiveMismatch(message);
   }
 
   // NCCL moves device memory only. The blocking helpers above also take
@@ -326,6 +422,7 @@ class Communicator {
     BackendKind kind;
     c10::intrusive_ptr<c10d::Store> store;
     c10::intrusive_ptr<compat::CollectiveBackend> backend;
+    std::uint64_t sequence = 0;  // collectives issued on this group by this process (NOTE [Debug mode])
     std::shared_ptr<Liveness> liveness;  // last: its heartbeat stops before the store goes
 
     Group() = default;
@@ -345,6 +442,15 @@ class Communicator {
   static void ignore_sigpipe() {
     struct sigaction current {};
     if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+  }
+
+  // Ranks of one job start seconds apart on a loaded machine: the timeout a
+  // user chose to catch a hung collective is too short to wait for a late
+  // starter at the store. Every collective still passes the user's timeout
+  // in its options.
+  static constexpr std::chrono::milliseconds minimum_rendezvous_timeout{std::chrono::seconds(60)};
+  static std::chrono::milliseconds rendezvous_timeout(std::chrono::milliseconds timeout) {
+    return std::max(timeout, minimum_rendezvous_timeout);
   }
 
   static std::shared_ptr<Group> shared_group(const WorldInfo& info, BackendKind kind,
@@ -367,7 +473,7 @@ class Communicator {
       options.isServer = info.rank == 0;
       options.numWorkers = static_cast<std::size_t>(info.world_size);
       options.waitWorkers = true;
-      options.timeout = timeout;
+      options.timeout = rendezvous_timeout(timeout);
       group->store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, options);
     } catch (const std::exception& e) {
       throw CollectiveError("accel: rank " + std::to_string(info.rank) + ": rendezvous at " + where +
@@ -395,7 +501,10 @@ class Communicator {
         throw CollectiveError("accel: this LibTorch was built without NCCL; use accel::CPU (Gloo) or a CUDA LibTorch");
 #endif
       }
-      auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+      // Connecting waits for every rank: where each operation carries its own
+      // timeout, the group's is the rendezvous's.
+      auto options = c10d::ProcessGroupGloo::Options::create(
+          compat::gloo_has_per_operation_timeout ? rendezvous_timeout(timeout) : timeout);
       options->devices.push_back(gloo_device(master_addr));
       return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
     } catch (const CollectiveError&) {
@@ -425,6 +534,8 @@ class Communicator {
   std::uint64_t p2p_bytes_sent_ = 0;
   std::shared_ptr<Group> group_;
   std::uint64_t issued_ = 0;
+  std::uint64_t sequence_ = 0;  // this handle's latest collective, numbered in its group
+  bool debug_ = false;
   std::uint64_t all_reduce_bytes_ = 0;
 };
 

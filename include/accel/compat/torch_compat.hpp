@@ -40,6 +40,11 @@ using Work = c10d::Work;
 /// versions bench/gloo_capabilities.py was run on (README, "LibTorch 2.x").
 inline constexpr bool gloo_has_flat_collectives = ACCEL_TORCH_AT_LEAST(2, 11);
 
+/// Whether Gloo bounds each operation by the timeout in its options: 2.x's
+/// AsyncWork carries one (checked on 2.11 and 2.15); 1.13's bounds every
+/// operation by the timeout the process group was created with.
+inline constexpr bool gloo_has_per_operation_timeout = ACCEL_TORCH_AT_LEAST(2, 11);
+
 // ---------------------------------------------------------------- autocast
 // 1.13 has per-device entry points (set_cpu_enabled, set_autocast_cpu_dtype,
 // set_enabled for CUDA); 2.4 folded them into (device_type, ...) overloads.

@@ -81,6 +81,12 @@ inline bool launcher_flag(const char* name) {
   throw ConfigurationError(std::string("accel: ") + name + "='" + *value + "' is not true or false");
 }
 
+/// Debug mode (NOTE [Debug mode] in comm/communicator.hpp): the Trainer's
+/// option when set, else ACCELERATE_DEBUG_MODE (`accel launch --debug`).
+inline bool debug_mode(const std::optional<bool>& configured) {
+  return configured ? *configured : launcher_flag(variables::debug_mode);
+}
+
 inline void apply_launcher_wrap_policy(ZeRO<3>& zero) {
   if (auto policy = comm::process_environment(variables::fsdp_auto_wrap_policy)) {
     if (*policy == "NO_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::NO_WRAP;
