@@ -8,6 +8,12 @@
 //   ./build/examples/mlp                                  # one process
 //   ./build/tools/accel launch --num_processes 2 ./build/examples/mlp
 //
+// With checkpoints every 20 steps, a job that loses a rank restarts by
+// itself and carries on from its newest checkpoint, to the same weights:
+//
+//   ./build/tools/accel launch --num_processes 2 --max_restarts 3 ./build/examples/mlp
+//       --checkpoint_every 20 --project_dir runs/mlp --save_weights runs/mlp/final.pt   (one line)
+//
 // The data is synthetic (Gaussian clusters, one per class), made in-process.
 
 #include <ATen/ops/argmax.h>
@@ -19,9 +25,11 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize.h>
 
 #include <accel/accel.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -51,10 +59,14 @@ torch::nn::Sequential make_mlp(std::int64_t features, std::int64_t hidden, std::
                                torch::nn::Linear(hidden, classes));
 }
 
-std::int64_t flag(int argc, char** argv, const std::string& name, std::int64_t fallback) {
+std::string flag_text(int argc, char** argv, const std::string& name, const std::string& fallback) {
   for (int i = 1; i + 1 < argc; ++i)
-    if (argv[i] == "--" + name) return std::stoll(argv[i + 1]);
+    if (argv[i] == "--" + name) return argv[i + 1];
   return fallback;
+}
+
+std::int64_t flag(int argc, char** argv, const std::string& name, std::int64_t fallback) {
+  return std::stoll(flag_text(argc, argv, name, std::to_string(fallback)));
 }
 
 }  // namespace
@@ -64,8 +76,17 @@ int train(int argc, char** argv) {
   const std::int64_t batch_size = flag(argc, argv, "batch_size", 64);  // per process
   const std::int64_t features = 64, classes = 10;
 
+  const std::int64_t checkpoint_every = flag(argc, argv, "checkpoint_every", 0);  // steps; 0: never
+
   // 3. The Trainer: the only line that changes between one process and many.
-  accel::Trainer<accel::DDP> trainer;
+  //    Automatically named checkpoints go to project_dir/checkpoints (the
+  //    newest two kept).
+  //    A collective that waits longer than the timeout fails, naming the
+  //    ranks that are gone, instead of hanging.
+  accel::Trainer<accel::DDP> trainer(
+      accel::TrainerOptions{.timeout = std::chrono::seconds(flag(argc, argv, "collective_timeout", 300)),
+                            .project_dir = flag_text(argc, argv, "project_dir", "."),
+                            .total_limit = 2});
   trainer.set_seed(42);  // same initial weights everywhere (DDP broadcasts rank 0's anyway)
 
   auto model = make_mlp(features, flag(argc, argv, "hidden", 256), classes);
@@ -79,13 +100,21 @@ int train(int argc, char** argv) {
 
   trainer.print("training on", trainer.num_processes(), "process(es),", train.size(), "batches of", batch_size,
                 "per process and epoch");
-  for (std::int64_t epoch = 0; epoch < epochs; ++epoch) {
+
+  // 4. Resuming: after a restart (`accel launch --max_restarts`), carry on
+  //    from the newest complete checkpoint: weights, optimizer, RNG and the
+  //    loader's place in its epoch (the batches already seen are skipped).
+  if (checkpoint_every > 0)
+    if (auto resumed = trainer.load_latest_state())
+      trainer.print("resumed from", resumed->string(), "after", trainer.completed_steps(), "steps");
+
+  for (std::int64_t epoch = train.epoch(); epoch < epochs; ++epoch) {
     train.set_epoch(epoch);  // a new shuffle each epoch, the same on every rank
     const auto start = std::chrono::steady_clock::now();
     double loss_sum = 0;
     std::int64_t batches = 0;
 
-    // 4. The loop: forward in the lambda; accel does backward, the gradient
+    // 5. The loop: forward in the lambda; accel does backward, the gradient
     //    all-reduce, the optimizer step and zero_grad.
     for (auto batch : train) {
       auto loss = trainer.step([&] {
@@ -93,10 +122,11 @@ int train(int argc, char** argv) {
       });
       loss_sum += loss.template item<double>();
       ++batches;
+      if (checkpoint_every > 0 && trainer.completed_steps() % checkpoint_every == 0) trainer.save_state();
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-    // 5. Evaluation: every rank scores its shard; gather_for_metrics collects
+    // 6. Evaluation: every rank scores its shard; gather_for_metrics collects
     //    the predictions and drops the padding that evened out the shards,
     //    so each of the 1000 test samples counts exactly once.
     std::int64_t correct = 0, seen = 0;
@@ -113,14 +143,16 @@ int train(int argc, char** argv) {
         static_cast<double>(batches * batch_size * trainer.num_processes()) / seconds;
     // Every process reports its own progress (accel launch prefixes the rank).
     std::printf("epoch %lld: mean loss %.4f over this process's %lld batches\n", static_cast<long long>(epoch),
-                loss_sum / batches, static_cast<long long>(batches));
+                loss_sum / std::max<std::int64_t>(batches, 1), static_cast<long long>(batches));
     trainer.print("epoch", epoch, "accuracy", static_cast<double>(correct) / seen, "on", seen,
                   "test samples; global samples/s", static_cast<long long>(samples_per_s));
   }
+  if (auto path = flag_text(argc, argv, "save_weights", ""); !path.empty() && trainer.is_main_process())
+    torch::save(model, path);
   return EXIT_SUCCESS;
 }
 
-// 6. Errors: a failed collective (a dead peer, a timeout) throws an
+// 7. Errors: a failed collective (a dead peer, a timeout) throws an
 //    accel::comm::CollectiveError naming this rank, the operation and the
 //    ranks that are gone; report it and exit non-zero, as any error.
 int main(int argc, char** argv) {

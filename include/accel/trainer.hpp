@@ -408,6 +408,25 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     view.commit();
   }
 
+  /// Resumes a restarted job (`accel launch --max_restarts`): loads the
+  /// newest complete checkpoint under project_dir/checkpoints (a save that
+  /// was killed midway is passed over) and returns its directory; loads
+  /// nothing and returns nothing when there is none, a fresh start. Rank 0
+  /// chooses, so every rank loads the same one. Call it where load_state
+  /// would go: after preparing the models, optimizers and loaders.
+  std::optional<std::filesystem::path> load_latest_state() {
+    const auto root = options_.project_dir / "checkpoints";
+    at::Tensor chosen = at::full({1}, -1, at::TensorOptions().dtype(at::kLong));
+    if (is_main_process())
+      if (auto newest = checkpoint::newest_complete_checkpoint(root)) chosen.fill_(newest->first);
+    comm_.broadcast(chosen, 0, "which checkpoint to resume from");
+    const long number = chosen.template item<long>();
+    if (number < 0) return std::nullopt;
+    const auto dir = root / ("checkpoint_" + std::to_string(number));
+    load_state(dir);
+    return dir;
+  }
+
   /// Saves `object` (anything with `save(OutputArchive&)` and
   /// `load(InputArchive&)`: a module, an optimizer, ...) with every checkpoint.
   template <class T>

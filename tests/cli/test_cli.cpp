@@ -324,6 +324,32 @@ TEST_CASE("launch: a failing rank takes the job down and nothing is left running
   CHECK(process_gone(sleeper_child));
 }
 
+TEST_CASE("launch: --max_restarts starts the whole job again after a rank fails, then gives up naming it") {
+  TempDir dir;
+  // Rank 1 fails in the first two starts; each start sees its restart count (torchrun's variables).
+  const std::string script =
+      "echo \"start $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS port $MASTER_PORT\"; "
+      "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" -lt 2 ]; then exit 3; fi; sleep 0.2";
+  auto r = launch_sh({"--num_processes", "2", "--max_restarts", "2"}, script, dir);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 0);
+  for (int restart : {0, 1, 2})
+    for (int rank : {0, 1})
+      CHECK(contains(r.out, "[rank " + std::to_string(rank) + "] start " + std::to_string(restart) + " of 2 port "));
+  CHECK(contains(r.err, "rank 1 (pid "));
+  CHECK(contains(r.err, ") exited with status 3; stopped the other ranks; restarting the job (restart 1 of 2, "));
+  CHECK(contains(r.err, "restarting the job (restart 2 of 2, "));
+
+  auto out = launch_sh({"--num_processes", "2", "--max_restarts", "1"}, script, dir);
+  INFO(out);
+  REQUIRE(out.exited);
+  CHECK(out.status == 3);
+  CHECK(contains(out.err, "restarting the job (restart 1 of 1, "));
+  CHECK(contains(out.err, ") exited with status 3; terminated the other ranks; no restarts left (--max_restarts 1)"));
+  CHECK_FALSE(contains(out.out, "start 2 of 1"));
+}
+
 TEST_CASE("launch: a rank that ignores SIGTERM is killed after the grace period") {
   TempDir dir;
   const std::string pid_file = dir.file("stubborn.pid");
@@ -508,6 +534,7 @@ TEST_CASE("launch: bad flags exit 2 with one line naming the flag") {
   bad({"--num_processes", "x", "sh"}, {"--num_processes expects an integer", "'x'"});
   bad({"--num_processes", "2.5", "sh"}, {"--num_processes expects an integer", "'2.5'"});
   bad({"--timeout", "soon", "sh"}, {"--timeout expects a number of seconds"});
+  bad({"--max_restarts", "-1", "sh"}, {"--max_restarts -1 must be 0 or more"});
   bad({"--num_processes", "3", "--num_machines", "2", "sh"}, {"--num_processes 3", "not divisible", "--num_machines 2"});
   bad({"--num_processes", "0", "sh"}, {"--num_processes 0 must be at least 1"});
   bad({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "2", "sh"},
@@ -574,7 +601,7 @@ TEST_CASE("help, env and unknown commands") {
   for (const char* flag : {"--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
                            "--main_process_port", "--config_file", "--mixed_precision",
                            "--num_cpu_threads_per_process", "--gradient_accumulation_steps", "--cpu", "--quiet", "-q",
-                           "--monitor_interval", "--timeout", "Exit status"})
+                           "--monitor_interval", "--max_restarts", "--timeout", "Exit status"})
     CHECK_MESSAGE(contains(help.out, flag), "launch --help lacks " << flag);
   auto top = run_accel({"--help"}, dir);
   CHECK(top.status == 0);

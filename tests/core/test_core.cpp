@@ -8,6 +8,7 @@
 #include <map>
 #include <thread>
 
+#include "accel/comm/address.hpp"
 #include "accel/comm/environment.hpp"
 #include "accel/core/concepts.hpp"
 #include "accel/core/rules.hpp"
@@ -242,5 +243,20 @@ TEST_SUITE("bucket plan") {
     CHECK(plan[0].offsets == std::vector<std::int64_t>{0, 4});  // parameter 1 first: reverse order
     const auto unpadded = plan_buckets(slots, {.caps = std::nullopt});
     CHECK(unpadded[0].padded == 7);
+  }
+}
+
+TEST_SUITE("address") {
+  TEST_CASE("the address a rank advertises: on the route to MASTER_ADDR; loopback recognised") {
+    using namespace accel::comm;
+    CHECK(local_address_towards("127.0.0.1", 29500) == std::optional<std::string>("127.0.0.1"));
+    CHECK(local_address_towards("localhost", 29500).has_value());
+    CHECK_FALSE(local_address_towards("no-such-host.invalid", 29500).has_value());
+    CHECK(interface_address("lo") == std::optional<std::string>("127.0.0.1"));
+    CHECK_FALSE(interface_address("no-such-if0").has_value());
+    CHECK(is_loopback_address("127.0.1.1"));
+    CHECK(is_loopback_address("::1"));
+    CHECK_FALSE(is_loopback_address("10.0.0.1"));
+    CHECK_FALSE(is_loopback_address("1.127.0.0"));
   }
 }

@@ -476,6 +476,46 @@ TEST_SUITE("checkpoint") {
         bounded(120s));
   }
 
+  TEST_CASE("load_latest_state: nothing on a fresh start; then the newest complete checkpoint, an interrupted save "
+            "passed over, the same on every rank") {
+    const auto dir = fresh_dir("latest");
+    RemoveOnExit cleanup{dir};
+    accel::spawn(
+        2,
+        [&](int rank) {
+          auto train = [&](accel::Trainer<accel::DDP>& trainer, torch::nn::Sequential& net, int steps) {
+            for (int step = 0; step < steps; ++step) {
+              auto batch = global_batch(step, 8);
+              trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4)); });
+              trainer.save_state();  // checkpoint_<step>, after step + 1 steps
+            }
+          };
+          {
+            accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.project_dir = dir});
+            auto net = tiny_mlp(0);
+            torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+            trainer.prepare(net, opt);
+            require(!trainer.load_latest_state(), "a fresh start resumes from nothing");
+            require(trainer.completed_steps() == 0, "and loads nothing");
+            train(trainer, net, 3);
+            trainer.wait_for_everyone();
+            if (rank == 0) fs::remove(dir / "checkpoints" / "checkpoint_2" / "manifest.json");  // killed mid-save
+            trainer.wait_for_everyone();
+          }
+          accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.project_dir = dir});
+          auto net = tiny_mlp(1);  // other weights: the checkpoint's must replace them
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+          trainer.prepare(net, opt);
+          const auto resumed = trainer.load_latest_state();
+          require(resumed && *resumed == dir / "checkpoints" / "checkpoint_1", "resumed from checkpoint_1");
+          require(trainer.completed_steps() == 2, "after 2 steps");
+          auto saved = tiny_mlp(1);
+          torch::load(saved, (dir / "checkpoints" / "checkpoint_1" / "model_0.pt").string());
+          require(max_param_diff(*net, *saved) == 0, "the checkpoint's weights");
+        },
+        bounded());
+  }
+
   TEST_CASE("debug mode (ACCELERATE_DEBUG_MODE=true) raises no false mismatch and changes nothing: exact resume "
             "under DDP, ZeRO-2, ZeRO-3, Parallel<> tensor 2 and pipeline 2, every collective checked") {
     ScopedEnv env;

@@ -7,12 +7,14 @@
 #include <torch/optim/sgd.h>
 
 #include <csignal>
+#include <filesystem>
 #include <thread>
 
 #include "doctest_torch.hpp"
 
 using namespace accel::testing;
 using namespace std::chrono_literals;
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -237,5 +239,65 @@ TEST_SUITE("faults") {
     CHECK_FALSE(accel::Trainer<accel::DDP>(accel::TrainerOptions{.debug = false}).communicator().debug());
     env.set("ACCELERATE_DEBUG_MODE", "maybe");
     CHECK_THROWS_WITH(accel::Trainer<accel::DDP>(), doctest::Contains("ACCELERATE_DEBUG_MODE='maybe' is not true or false"));
+  }
+
+  TEST_CASE("flight recorder: a failed collective writes its rank's record, SIGUSR1 a live rank's; the summary says "
+            "which rank failed in which collective and which never entered it") {
+    const std::string dir = temp_path("flight");
+    RemoveOnExit cleanup{fs::path(dir)};
+    ScopedEnv env;
+    env.set("ACCEL_FLIGHT_RECORDER_DIR", dir);  // the forked ranks inherit it
+    const std::string text = spawn_two_and_read_report("flight_result", [](int rank, const std::string& result) {
+      accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.timeout = 2s});
+      at::Tensor loss = at::ones({4});
+      trainer.communicator().all_reduce(loss, "the loss");  // collective #1, on both
+      if (rank == 1) {
+        ::raise(SIGUSR1);                 // as accel launch asks: the heartbeat thread writes the record
+        std::this_thread::sleep_for(4s);  // alive, but it never reaches the barrier
+        return;
+      }
+      report_collective_failure(result, [&] { trainer.wait_for_everyone(); });
+    });
+    REQUIRE(reports_failure(text));
+    auto read_record = [&](int rank) { return nlohmann::json::parse(read_file(dir + "/rank_" + std::to_string(rank) + ".json")); };
+    const auto r0 = read_record(0), r1 = read_record(1);
+    INFO(r0.dump(1), "\n", r1.dump(1));
+    const auto& last0 = r0.at("entries").back();
+    CHECK(last0.at("op") == "barrier");
+    CHECK(last0.at("state") == "failed");
+    CHECK(last0.at("sequence") == 2);
+    CHECK(last0.at("group") == "world");
+    const auto& last1 = r1.at("entries").back();
+    CHECK(last1.at("op") == "all_reduce");
+    CHECK(last1.at("what") == "the loss");
+    CHECK(last1.at("state") == "completed");
+    CHECK(last1.at("bytes") == 16);
+    const std::string summary = accel::comm::summarize_flight_records({r0, r1}, {0, 1, 2});
+    INFO(summary);
+    CHECK(summary.find("group world: newest collective #2\n") != std::string::npos);
+    CHECK(summary.find("rank 0: failed in barrier #2 (barrier (wait_for_everyone))\n") != std::string::npos);
+    CHECK(summary.find("rank 1: last completed all_reduce #1 (the loss): never entered #2\n") != std::string::npos);
+    CHECK(summary.find("no record from rank 2 ") != std::string::npos);
+  }
+
+  TEST_CASE("flight recorder: the last 256 collectives in order, each issued then ended; nothing written without "
+            "ACCEL_FLIGHT_RECORDER_DIR") {
+    accel::spawn(
+        1,
+        [](int) {
+          auto& recorder = accel::comm::FlightRecorder::instance();
+          for (int k = 1; k <= 300; ++k) {
+            const auto id = recorder.issue("world", k, false, "all_reduce", "step " + std::to_string(k), 4);
+            if (k < 300) recorder.finish(id, true);
+          }
+          const auto entries = recorder.entries();
+          require(entries.size() == accel::comm::FlightRecorder::capacity, "the ring holds 256");
+          require(entries.front().sequence == 45 && entries.back().sequence == 300, "the newest 256, oldest first");
+          require(entries[254].state == accel::comm::FlightRecorder::State::completed, "ended");
+          require(entries.back().state == accel::comm::FlightRecorder::State::issued, "still in flight");
+          ::unsetenv("ACCEL_FLIGHT_RECORDER_DIR");
+          require(!recorder.dump(0), "no directory, no file");
+        },
+        bounded());
   }
 }

@@ -152,6 +152,10 @@ inline const std::vector<FlagSpec>& flag_table() {
       {"--monitor_interval", "", "SECONDS", "Distributed", FlagScope::launch_only,
        "time between liveness checks of the ranks (default 0.05)",
        seconds_setter(&S::monitor_interval, "monitor_interval")},
+      {"--max_restarts", "", "N", "Distributed", FlagScope::launch_only,
+       "when a rank fails, stop every rank and start the job again, up to N times, as torchrun does "
+       "(default 0); the program resumes from its newest checkpoint (Trainer::load_latest_state)",
+       int_setter(&S::max_restarts, "max_restarts")},
       {"--timeout", "", "SECONDS", "Distributed", FlagScope::launch_only,
        "kill the whole job and fail after this long (default: no limit)", seconds_setter(&S::timeout, "timeout")},
       {"--use_fsdp", "", "", "FSDP", FlagScope::config_key, "distributed_type FSDP (sets ACCELERATE_USE_FSDP=true)",

@@ -16,11 +16,14 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "accel/launch/supervisor.hpp"
+#include "accel/launch/variables.hpp"
+#include "cli/flight_records.hpp"
 #include "cli/output_pump.hpp"
 #include "cli/plan.hpp"
 #include "cli/settings.hpp"
@@ -121,7 +124,105 @@ inline std::string seconds_text(std::chrono::milliseconds ms) {
 
 }  // namespace detail
 
+namespace detail {
+
+/// How one start of this machine's ranks ended.
+struct Attempt {
+  launch::JobOutcome outcome;
+  std::string start_error;  ///< a rank could not be started (the others were stopped)
+};
+
+/// Starts this machine's ranks once (`restart` counts the starts before this
+/// one) and supervises them until they all exit, one fails, `timeout`
+/// passes or accel launch is asked to stop.
+inline Attempt run_attempt(const JobPlan& plan, const std::string& executable, const std::vector<std::string>& program,
+                           int restart, std::optional<std::chrono::milliseconds> timeout,
+                           const FlightRecords& records) {
+  records.clear();
+  std::vector<std::string> args(program);
+  std::vector<char*> argv = c_strings(args);
+  OutputPump pump;
+  launch::ProcessSupervisor supervisor;
+  supervisor.set_poll_interval(plan.monitor_interval);
+  std::fflush(nullptr);  // buffered output would otherwise be written again by each child
+
+  Attempt attempt;
+  std::string& start_error = attempt.start_error;
+  for (int local = 0; local < plan.local_processes; ++local) {
+    const int rank = plan.first_rank + local;
+    auto overrides = plan.job_env;
+    overrides.insert(overrides.end(), {
+        {"RANK", std::to_string(rank)},
+        {"LOCAL_RANK", std::to_string(local)},
+        {"WORLD_SIZE", std::to_string(plan.num_processes)},
+        {"LOCAL_WORLD_SIZE", std::to_string(plan.local_processes)},
+        {"GROUP_RANK", std::to_string(plan.machine_rank)},
+        {"GROUP_WORLD_SIZE", std::to_string(plan.num_machines)},
+        {"MASTER_ADDR", plan.main_process_ip},
+        {"MASTER_PORT", std::to_string(plan.main_process_port)},
+        {launch::variables::restart_count, std::to_string(restart)},
+        {launch::variables::max_restarts, std::to_string(plan.max_restarts)},
+    });
+    if (plan.omp_num_threads) overrides.emplace_back("OMP_NUM_THREADS", std::to_string(*plan.omp_num_threads));
+    std::vector<std::string> env_strings = rank_environment(overrides);
+    std::vector<char*> envp = c_strings(env_strings);
+
+    int out_pipe[2], err_pipe[2];
+    if (::pipe2(out_pipe, O_CLOEXEC) != 0) {
+      start_error = std::string("pipe(): ") + std::strerror(errno);
+      break;
+    }
+    if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+      start_error = std::string("pipe(): ") + std::strerror(errno);
+      ::close(out_pipe[0]);
+      ::close(out_pipe[1]);
+      break;
+    }
+    pid_t pid = ::fork();
+    if (pid < 0) {
+      start_error = std::string("fork(): ") + std::strerror(errno);
+      for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) ::close(fd);
+      break;
+    }
+    if (pid == 0) {
+      launch::become_supervised_child();
+      restore_default_signals();
+      ::dup2(out_pipe[1], STDOUT_FILENO);
+      ::dup2(err_pipe[1], STDERR_FILENO);
+      ::execve(executable.c_str(), argv.data(), envp.data());
+      std::string message = "accel launch: cannot run " + executable + ": " + std::strerror(errno) + "\n";
+      ssize_t ignored = ::write(STDERR_FILENO, message.data(), message.size());
+      (void)ignored;
+      ::_exit(127);
+    }
+    ::close(out_pipe[1]);
+    ::close(err_pipe[1]);
+    pump.add(rank, out_pipe[0], STDOUT_FILENO);
+    pump.add(rank, err_pipe[0], STDERR_FILENO);
+    supervisor.add(rank, pid);
+  }
+
+  const auto grace = std::chrono::seconds(3);
+  auto idle = [&](int ms) { pump.pump(ms); };
+  auto stop = [&] { return !start_error.empty() || stop_signal != 0; };
+  // A rank failed or the job ran out of time: the others' records first (not when asked to stop).
+  supervisor.set_before_terminate([&](const std::vector<std::pair<int, pid_t>>& running) {
+    if (stop_signal == 0 && start_error.empty()) records.request(running, idle);
+  });
+  attempt.outcome = supervisor.wait(timeout, grace, idle, stop);
+  pump.drain(std::chrono::milliseconds(1000));
+  return attempt;
+}
+
+}  // namespace detail
+
 /// Runs this machine's share of the job; returns accel launch's exit status.
+///
+/// With --max_restarts N, a rank that fails stops every rank of this machine
+/// and the job starts again, up to N times (torchrun's meaning): on several
+/// machines each launcher restarts its own ranks, which meet again at the
+/// same address. The ranks see TORCHELASTIC_RESTART_COUNT; the program
+/// resumes from its newest checkpoint (Trainer::load_latest_state).
 inline int run_launch(JobPlan plan, const std::vector<std::string>& program) {
   auto say = [&](const std::string& line) {
     if (!plan.quiet) std::fprintf(stderr, "accel launch: %s\n", line.c_str());
@@ -144,82 +245,51 @@ inline int run_launch(JobPlan plan, const std::vector<std::string>& program) {
       " MASTER_PORT=" + std::to_string(plan.main_process_port));
 
   detail::install_stop_handlers();
-  std::vector<std::string> args(program);
-  std::vector<char*> argv = detail::c_strings(args);
-  OutputPump pump;
-  launch::ProcessSupervisor supervisor;
-  supervisor.set_poll_interval(plan.monitor_interval);
-  std::fflush(nullptr);  // buffered output would otherwise be written again by each child
-
-  std::string start_error;
-  for (int local = 0; local < plan.local_processes; ++local) {
-    const int rank = plan.first_rank + local;
-    auto overrides = plan.job_env;
-    overrides.insert(overrides.end(), {
-        {"RANK", std::to_string(rank)},
-        {"LOCAL_RANK", std::to_string(local)},
-        {"WORLD_SIZE", std::to_string(plan.num_processes)},
-        {"LOCAL_WORLD_SIZE", std::to_string(plan.local_processes)},
-        {"GROUP_RANK", std::to_string(plan.machine_rank)},
-        {"GROUP_WORLD_SIZE", std::to_string(plan.num_machines)},
-        {"MASTER_ADDR", plan.main_process_ip},
-        {"MASTER_PORT", std::to_string(plan.main_process_port)},
-    });
-    if (plan.omp_num_threads) overrides.emplace_back("OMP_NUM_THREADS", std::to_string(*plan.omp_num_threads));
-    std::vector<std::string> env_strings = detail::rank_environment(overrides);
-    std::vector<char*> envp = detail::c_strings(env_strings);
-
-    int out_pipe[2], err_pipe[2];
-    if (::pipe2(out_pipe, O_CLOEXEC) != 0) {
-      start_error = std::string("pipe(): ") + std::strerror(errno);
+  const FlightRecords records(plan);
+  std::vector<int> local_ranks;
+  for (int rank = plan.first_rank; rank <= last_rank; ++rank) local_ranks.push_back(rank);
+  auto print_records = [&] {
+    const std::string summary = records.summary(local_ranks);
+    if (summary.empty()) return;
+    std::fprintf(stderr, "accel launch: the ranks' last collectives (flight recorder%s):\n%s",
+                 records.kept() ? (", records in " + records.directory().string()).c_str() : "", summary.c_str());
+  };
+  const auto started = std::chrono::steady_clock::now();
+  detail::Attempt attempt;
+  for (int restart = 0;; ++restart) {
+    // --timeout bounds the whole job, restarts included.
+    std::optional<std::chrono::milliseconds> left = plan.timeout;
+    if (left) {
+      left = *left - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started);
+      if (*left <= std::chrono::milliseconds(0)) left = std::chrono::milliseconds(1);
+    }
+    attempt = detail::run_attempt(plan, executable, program, restart, left, records);
+    const auto& outcome = attempt.outcome;
+    if ((outcome.first_failure || outcome.timed_out) && !outcome.interrupted) print_records();
+    if (!outcome.first_failure || !attempt.start_error.empty() || outcome.timed_out || outcome.interrupted ||
+        restart == plan.max_restarts)
       break;
-    }
-    if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
-      start_error = std::string("pipe(): ") + std::strerror(errno);
-      ::close(out_pipe[0]);
-      ::close(out_pipe[1]);
-      break;
-    }
-    pid_t pid = ::fork();
-    if (pid < 0) {
-      start_error = std::string("fork(): ") + std::strerror(errno);
-      for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) ::close(fd);
-      break;
-    }
-    if (pid == 0) {
-      launch::become_supervised_child();
-      detail::restore_default_signals();
-      ::dup2(out_pipe[1], STDOUT_FILENO);
-      ::dup2(err_pipe[1], STDERR_FILENO);
-      ::execve(executable.c_str(), argv.data(), envp.data());
-      std::string message = "accel launch: cannot run " + executable + ": " + std::strerror(errno) + "\n";
-      ssize_t ignored = ::write(STDERR_FILENO, message.data(), message.size());
-      (void)ignored;
-      ::_exit(127);
-    }
-    ::close(out_pipe[1]);
-    ::close(err_pipe[1]);
-    pump.add(rank, out_pipe[0], STDOUT_FILENO);
-    pump.add(rank, err_pipe[0], STDERR_FILENO);
-    supervisor.add(rank, pid);
+    // The dead rank 0's store port may linger: on one machine, with no port
+    // asked for, the next start takes a fresh one.
+    if (!plan.port_given && plan.num_machines == 1) plan.main_process_port = launch::free_loopback_port();
+    say(outcome.describe() + "; stopped the other ranks; restarting the job (restart " + std::to_string(restart + 1) +
+        " of " + std::to_string(plan.max_restarts) + ", MASTER_PORT=" + std::to_string(plan.main_process_port) + ")");
   }
+  const auto& outcome = attempt.outcome;
 
-  const auto grace = std::chrono::seconds(3);
-  auto idle = [&](int ms) { pump.pump(ms); };
-  auto stop = [&] { return !start_error.empty() || detail::stop_signal != 0; };
-  launch::JobOutcome outcome = supervisor.wait(plan.timeout, grace, idle, stop);
-  pump.drain(std::chrono::milliseconds(1000));
-
-  if (!start_error.empty()) {
+  if (!attempt.start_error.empty()) {
     std::fprintf(stderr, "accel launch: could not start every rank (%s); terminated the others\n",
-                 start_error.c_str());
+                 attempt.start_error.c_str());
     return 1;
   }
   if (outcome.first_failure) {
     const auto& failed = *outcome.first_failure;
     const bool others_were_running = static_cast<int>(outcome.exits.size()) < plan.local_processes;
-    std::fprintf(stderr, "accel launch: %s%s\n", outcome.describe().c_str(),
-                 others_were_running ? "; terminated the other ranks" : "");
+    std::fprintf(stderr, "accel launch: %s%s%s\n", outcome.describe().c_str(),
+                 others_were_running ? "; terminated the other ranks" : "",
+                 plan.max_restarts > 0 ? ("; no restarts left (--max_restarts " + std::to_string(plan.max_restarts) +
+                                          ")").c_str()
+                                       : "");
     return failed.signaled ? exit_rank_killed : failed.status;
   }
   if (outcome.timed_out) {

@@ -40,6 +40,7 @@ struct JobPlan {
   std::vector<std::pair<std::string, std::string>> job_env;
   std::optional<std::chrono::milliseconds> timeout;
   std::chrono::milliseconds monitor_interval{50};
+  int max_restarts = 0;  ///< whole-job restarts after a rank fails (torchrun's --max_restarts)
   bool quiet = false;
 };
 
@@ -197,6 +198,11 @@ inline JobPlan resolve_plan(const LaunchSettings& s) {
   };
   if (s.monitor_interval) plan.monitor_interval = seconds("monitor_interval", *s.monitor_interval);
   if (s.timeout) plan.timeout = seconds("timeout", *s.timeout);
+  if (s.max_restarts) {
+    if (*s.max_restarts < 0) throw UsageError(s.describe("max_restarts", std::to_string(*s.max_restarts)) +
+                                              " must be 0 or more");
+    plan.max_restarts = *s.max_restarts;
+  }
   plan.quiet = s.quiet;
   return plan;
 }

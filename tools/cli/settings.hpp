@@ -52,6 +52,7 @@ struct LaunchSettings {
   // Launch-only flags: not config keys in Accelerate, so never written to a file.
   std::optional<int> num_cpu_threads_per_process;
   std::optional<double> monitor_interval;  ///< seconds
+  std::optional<int> max_restarts;
   std::optional<double> timeout;           ///< seconds
   bool quiet = false;
 
@@ -90,6 +91,7 @@ struct LaunchSettings {
     take(gradient_accumulation_steps, over.gradient_accumulation_steps);
     take(num_cpu_threads_per_process, over.num_cpu_threads_per_process);
     take(monitor_interval, over.monitor_interval);
+    take(max_restarts, over.max_restarts);
     take(timeout, over.timeout);
     quiet = quiet || over.quiet;
     for (auto [mine, theirs] : {std::pair{&deepspeed_config, &over.deepspeed_config},

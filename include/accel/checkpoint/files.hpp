@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <stdexcept>
 #include <string>
@@ -125,6 +126,21 @@ inline std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::pat
   }
   std::sort(found.begin(), found.end());
   return found;
+}
+
+/// The newest checkpoint_<n> under `root` whose save completed (its manifest
+/// there, every file of the size it names); nothing when there is none.
+inline std::optional<std::pair<long, fs::path>> newest_complete_checkpoint(const fs::path& root) {
+  const auto all = numbered_checkpoints(root);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    try {
+      (void)read_manifest(it->second);
+      return *it;
+    } catch (const CheckpointError&) {
+      // interrupted: an older one
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace accel::checkpoint

@@ -26,7 +26,9 @@
 #include <string>
 #include <vector>
 
+#include "accel/comm/address.hpp"
 #include "accel/comm/environment.hpp"
+#include "accel/comm/flight_recorder.hpp"
 #include "accel/comm/liveness.hpp"
 #include "accel/comm/traffic.hpp"
 #include "accel/compat/torch_compat.hpp"
@@ -60,6 +62,7 @@ class Pending {
     std::uint64_t sequence = 0;   ///< the how-manyth collective of its group
     bool point_to_point = false;  ///< a send or receive, issued after collective #sequence
     std::shared_ptr<Liveness> liveness{};
+    std::uint64_t record = 0;  ///< its entry in the flight recorder (NOTE [Flight recorder])
   };
 
   Pending() = default;
@@ -78,8 +81,11 @@ class Pending {
     try {
       work->wait(timeout_);
       record_blocked(std::chrono::steady_clock::now() - start);
+      FlightRecorder::instance().finish(context_.record, true);
     } catch (const std::exception& e) {
       record_blocked(std::chrono::steady_clock::now() - start);
+      FlightRecorder::instance().finish(context_.record, false);
+      FlightRecorder::instance().dump(context_.rank);
       if (context_.liveness) context_.liveness->mark_failed();
       const std::string gone = context_.liveness ? context_.liveness->diagnose() : "";
       throw CollectiveError("accel: rank " + std::to_string(context_.rank) + ": " + context_.what + " (" +
@@ -145,9 +151,11 @@ class Communicator {
       group->sequence = 0;
       group->world.rank = sub.rank_;
       group->world.world_size = sub.size_;
-      const std::string prefix = "accel/group/" + name + "/" + std::to_string(next_generation(name, group_->world));
+      const int generation = next_generation(name, group_->world);
+      const std::string prefix = "accel/group/" + name + "/" + std::to_string(generation);
+      group->name = name + (generation ? "#" + std::to_string(generation) : "");
       group->backend = make_backend(kind_, c10::make_intrusive<c10d::PrefixStore>(prefix, group_->store),
-                                    sub.rank_, sub.size_, group_->world.master_addr, timeout_);
+                                    sub.rank_, sub.size_, group_->job, timeout_);
       sub.group_ = std::move(group);
     }
     return sub;
@@ -322,7 +330,7 @@ class Communicator {
   Pending pending(c10::intrusive_ptr<compat::Work> work, std::string what,
                   std::chrono::milliseconds timeout = std::chrono::milliseconds(0), bool point_to_point = false) const {
     return {std::move(work),
-            {std::move(what), world_rank_, sequence_, point_to_point, group_ ? group_->liveness : nullptr},
+            {std::move(what), world_rank_, sequence_, point_to_point, group_ ? group_->liveness : nullptr, record_},
             timeout};
   }
   static std::uint64_t bytes_of(const at::Tensor& t) { return static_cast<std::uint64_t>(t.numel()) * t.element_size(); }
@@ -331,8 +339,11 @@ class Communicator {
   void count(Collective kind, std::uint64_t bytes, const at::Tensor& tensor, const std::string& what) {
     ++issued_;
     record_collective(kind, bytes);
-    if (kind == Collective::send || kind == Collective::recv) return;  // pairs, not the group
-    number(kind, tensor, what);
+    record_ = 0;  // the debug check below is no entry of its own
+    const bool point_to_point = kind == Collective::send || kind == Collective::recv;
+    if (!point_to_point) number(kind, tensor, what);  // sends and receives pair two ranks, not the group
+    record_ = FlightRecorder::instance().issue(group_->name, sequence_, point_to_point, collective_name(kind), what,
+                                               bytes);
   }
   void number(Collective kind, const at::Tensor& tensor, const std::string& what) {
     sequence_ = ++group_->sequence;
@@ -394,6 +405,7 @@ class Communicator {
     message +=
         "\nEvery rank of a group must call the same collectives in the same order with the same shapes "
         "(is one called under `if (is_main_process())`, or skipped on some ranks?)";
+    FlightRecorder::instance().dump(world_rank_);
     throw CollectiveMismatch(message);
   }
 
@@ -423,6 +435,8 @@ class Communicator {
     c10::intrusive_ptr<c10d::Store> store;
     c10::intrusive_ptr<compat::CollectiveBackend> backend;
     std::uint64_t sequence = 0;  // collectives issued on this group by this process (NOTE [Debug mode])
+    std::string name = "world";  // in the flight recorder
+    WorldInfo job;               // the whole job's (`world` is this group's)
     std::shared_ptr<Liveness> liveness;  // last: its heartbeat stops before the store goes
 
     Group() = default;
@@ -463,6 +477,7 @@ class Communicator {
           g->world.master_addr == info.master_addr && g->world.master_port == info.master_port)
         return g;
     ignore_sigpipe();
+    FlightRecorder::install_signal_handler();
     auto group = std::make_shared<Group>();
     group->world = info;
     group->kind = kind;
@@ -480,8 +495,9 @@ class Communicator {
                             " failed (is MASTER_ADDR/MASTER_PORT right, the port free, every rank started?): " +
                             e.what());
     }
+    group->job = info;
     group->backend = make_backend(kind, c10::make_intrusive<c10d::PrefixStore>("accel/world", group->store),
-                                  info.rank, info.world_size, info.master_addr, timeout);
+                                  info.rank, info.world_size, info, timeout);
     group->liveness = std::make_shared<Liveness>(info.master_addr, info.master_port, info.rank, info.world_size, timeout);
     groups.push_back(group);
     return group;
@@ -489,7 +505,7 @@ class Communicator {
 
   static c10::intrusive_ptr<compat::CollectiveBackend> make_backend(BackendKind kind,
                                                                     c10::intrusive_ptr<c10d::Store> store, int rank,
-                                                                    int size, const std::string& master_addr,
+                                                                    int size, const WorldInfo& job,
                                                                     std::chrono::milliseconds timeout) {
     try {
       if (kind == BackendKind::nccl) {
@@ -505,7 +521,7 @@ class Communicator {
       // timeout, the group's is the rendezvous's.
       auto options = c10d::ProcessGroupGloo::Options::create(
           compat::gloo_has_per_operation_timeout ? rendezvous_timeout(timeout) : timeout);
-      options->devices.push_back(gloo_device(master_addr));
+      options->devices.push_back(gloo_device(job));
       return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
     } catch (const CollectiveError&) {
       throw;
@@ -516,14 +532,33 @@ class Communicator {
     }
   }
 
-  // GLOO_SOCKET_IFNAME as in PyTorch; a loopback master means a one-machine
-  // job, which must not depend on how this host's name resolves.
-  static std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {
-    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
-      return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-    if (master_addr == "127.0.0.1" || master_addr == "localhost" || master_addr == "::1")
-      return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-    return c10d::ProcessGroupGloo::createDefaultDevice();
+  // The address this rank's Gloo binds to and advertises (NOTE [Which
+  // address a rank advertises] in comm/address.hpp): GLOO_SOCKET_IFNAME's,
+  // else the one on the route to MASTER_ADDR. A loopback one while ranks run
+  // on other machines would only end in "Connection refused" there.
+  static std::shared_ptr<::gloo::transport::Device> gloo_device(const WorldInfo& job) {
+    std::shared_ptr<::gloo::transport::Device> device;
+    std::optional<std::string> address;
+    std::string source;
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+      device = c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+      address = interface_address(ifname);
+      source = std::string("GLOO_SOCKET_IFNAME=") + ifname;
+    } else if ((address = local_address_towards(job.master_addr, job.master_port))) {
+      device = c10d::ProcessGroupGloo::createDeviceForHostname(*address);
+      source = "the route to MASTER_ADDR=" + job.master_addr;
+    } else {
+      device = c10d::ProcessGroupGloo::createDefaultDevice();
+    }
+    // A loopback MASTER_ADDR says every "machine" is this one (launchers side by side).
+    const bool one_host = is_loopback_address(job.master_addr) || job.master_addr == "localhost";
+    if (address && is_loopback_address(*address) && job.local_world_size < job.world_size && !one_host)
+      throw CollectiveError("accel: rank " + std::to_string(job.rank) + " would advertise the loopback address " +
+                            *address + " (from " + source + ") to the ranks on other machines (" +
+                            std::to_string(job.local_world_size) + " of the " + std::to_string(job.world_size) +
+                            " ranks run on this one): set MASTER_ADDR (--main_process_ip) to an address the other "
+                            "machines reach, or GLOO_SOCKET_IFNAME to the interface that faces them");
+    return device;
   }
 
   int rank_ = 0;
@@ -535,6 +570,7 @@ class Communicator {
   std::shared_ptr<Group> group_;
   std::uint64_t issued_ = 0;
   std::uint64_t sequence_ = 0;  // this handle's latest collective, numbered in its group
+  std::uint64_t record_ = 0;    // its flight-recorder entry
   bool debug_ = false;
   std::uint64_t all_reduce_bytes_ = 0;
 };

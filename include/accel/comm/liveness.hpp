@@ -19,6 +19,8 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "accel/comm/flight_recorder.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -40,7 +42,9 @@ class Liveness {
   Liveness(std::string host, int port, int rank, int world_size, std::chrono::milliseconds timeout,
            std::chrono::milliseconds period = default_period)
       : host_(std::move(host)), port_(port), rank_(rank), world_size_(world_size), timeout_(timeout), period_(period) {
-    beat_ = std::thread([this] { run(); });
+    beat_ = std::thread([beat = beat_state_, host = host_, port = port_, rank = rank_, timeout = timeout_, period] {
+      run(*beat, host, port, rank, timeout, period);
+    });
   }
   ~Liveness() { stop(); }
   Liveness(const Liveness&) = delete;
@@ -81,7 +85,7 @@ class Liveness {
         ranks += (k == 0 ? "" : k + 1 == silent.size() ? " and " : ", ") + std::to_string(silent[k]);
       return (silent.size() == 1 ? "rank " + ranks + " is gone (its heartbeat stopped" : "ranks " + ranks +
                                                                                               " are gone (their heartbeats stopped") +
-             ": died or froze)";
+             ": died, froze, or the network to it is down)";
     } catch (const std::exception&) {
       return "rank 0 is gone (the rendezvous store it hosts at " + host_ + ":" + std::to_string(port_) +
              " does not answer: it died, froze or exited)";
@@ -106,20 +110,30 @@ class Liveness {
   }
 
   std::unique_ptr<c10d::TCPStore> connect(std::chrono::milliseconds timeout) const {
+    return connect_to(host_, port_, timeout);
+  }
+  static std::unique_ptr<c10d::TCPStore> connect_to(const std::string& host, int port,
+                                                    std::chrono::milliseconds timeout) {
     c10d::TCPStoreOptions options;
-    options.port = static_cast<std::uint16_t>(port_);
+    options.port = static_cast<std::uint16_t>(port);
     options.isServer = false;
     options.timeout = timeout;
-    return std::make_unique<c10d::TCPStore>(host_, options);
+    return std::make_unique<c10d::TCPStore>(host, options);
   }
 
+  // A beat to a store across a link that went down can block for minutes
+  // (TCP retransmits): the thread is waited for a few periods, then left to
+  // the operating system. It shares only BeatState, so it may outlive this.
   void stop() noexcept {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    if (beat_.joinable() && beat_.get_id() != std::this_thread::get_id()) beat_.join();
+    if (!beat_.joinable() || beat_.get_id() == std::this_thread::get_id()) return;
+    std::unique_lock<std::mutex> lock(beat_state_->mutex);
+    beat_state_->stopping = true;
+    beat_state_->wake.notify_all();
+    const bool finished =
+        beat_state_->wake.wait_for(lock, 4 * period_ + std::chrono::seconds(1), [&] { return beat_state_->finished; });
+    lock.unlock();
+    if (finished) beat_.join();
+    else beat_.detach();
   }
 
   // -1 for a rank that never beat.
@@ -130,20 +144,38 @@ class Liveness {
     return beats;
   }
 
-  void run() {
+  // Beats, and writes the flight record when SIGUSR1 asked for it (NOTE
+  // [Flight recorder]): this thread runs while the main one is blocked.
+  struct BeatState {
+    std::mutex mutex;
+    std::condition_variable wake;
+    bool stopping = false;
+    bool finished = false;
+  };
+
+  static void run(BeatState& beat, const std::string& host, int port, int rank, std::chrono::milliseconds timeout,
+                  std::chrono::milliseconds period) {
+    std::unique_ptr<c10d::TCPStore> store;
     try {
       // Short: a beat blocked on a dead store must not hold up stop() for the collective timeout.
-      auto store = connect(std::min(timeout_, std::chrono::milliseconds(2000)));
-      std::unique_lock<std::mutex> lock(mutex_);
-      while (!stopping_) {
-        lock.unlock();
-        store->add(key(rank_), 1);
-        lock.lock();
-        wake_.wait_for(lock, period_, [this] { return stopping_; });
-      }
+      store = connect_to(host, port, std::min(timeout, std::chrono::milliseconds(2000)));
     } catch (const std::exception&) {
-      // The store is gone (rank 0 ended or died): nothing left to tell.
+      // No store: no beats, but records can still be asked for.
     }
+    std::unique_lock<std::mutex> lock(beat.mutex);
+    while (!beat.stopping) {
+      lock.unlock();
+      if (FlightRecorder::take_request()) FlightRecorder::instance().dump(rank);
+      try {
+        if (store) store->add(key(rank), 1);
+      } catch (const std::exception&) {
+        store.reset();  // the store is gone (rank 0 ended or died): nothing left to tell
+      }
+      lock.lock();
+      beat.wake.wait_for(lock, period, [&] { return beat.stopping; });
+    }
+    beat.finished = true;
+    beat.wake.notify_all();
   }
 
   std::string host_;
@@ -152,9 +184,7 @@ class Liveness {
   int world_size_;
   std::chrono::milliseconds timeout_;
   std::chrono::milliseconds period_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool stopping_ = false;
+  std::shared_ptr<BeatState> beat_state_ = std::make_shared<BeatState>();
   std::atomic<bool> failed_{false};
   std::thread beat_;
 };

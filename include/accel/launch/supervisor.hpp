@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace accel::launch {
@@ -83,6 +84,12 @@ class ProcessSupervisor {
   /// `accel launch --monitor_interval` sets it).
   void set_poll_interval(std::chrono::milliseconds interval) {
     poll_interval_ = interval < std::chrono::milliseconds(1) ? std::chrono::milliseconds(1) : interval;
+  }
+
+  /// Called with the ranks still running (rank, pid) just before they are
+  /// terminated: `accel launch` asks them for their flight records there.
+  void set_before_terminate(std::function<void(const std::vector<std::pair<int, pid_t>>&)> hook) {
+    before_terminate_ = std::move(hook);
   }
 
   /// Waits for every rank. `idle(ms)` is called between polls and may block
@@ -150,6 +157,11 @@ class ProcessSupervisor {
   // after `grace`; reaps them all so no zombie or orphan remains.
   void terminate_all(std::chrono::milliseconds grace, JobOutcome& outcome, const std::function<void(int)>& idle) {
     if (running_.empty()) return;
+    if (before_terminate_) {
+      std::vector<std::pair<int, pid_t>> ranks;
+      for (const auto& child : running_) ranks.emplace_back(child.rank, child.pid);
+      before_terminate_(ranks);
+    }
     for (const auto& child : running_) ::kill(-child.pid, SIGTERM);
     const auto kill_at = Clock::now() + grace;
     while (!running_.empty() && Clock::now() < kill_at) {
@@ -180,6 +192,7 @@ class ProcessSupervisor {
 
   std::vector<Child> running_;
   std::chrono::milliseconds poll_interval_{50};
+  std::function<void(const std::vector<std::pair<int, pid_t>>&)> before_terminate_;
 };
 
 /// A TCP port on the loopback interface that was free a moment ago (the

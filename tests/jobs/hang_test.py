@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""`accel launch` and the flight recorder (NOTE [Flight recorder]): when a job
+hangs past --timeout, or a rank dies, the launcher asks the ranks still
+running for their records and prints which rank waits in which collective
+and which never entered it.
+
+1. The MLP example on 2 ranks; rank 1 is stopped (SIGSTOP: alive, silent)
+   mid-training, so rank 0 waits in an all-reduce until --timeout ends the
+   job: the summary must show rank 0 waiting in an all-reduce and no record
+   from rank 1 (a stopped process cannot answer).
+2. Rank 1 is SIGKILLed instead: rank 0's all-reduce fails, it writes its own
+   record, and the summary shows rank 0 failed in it."""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from launched import wait_for_ranks
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--accel", required=True)
+parser.add_argument("--mlp", required=True)
+args = parser.parse_args()
+
+
+def launch(timeout):
+    command = [args.accel, "launch", "--num_processes", "2", "--timeout", str(timeout), args.mlp,
+               "--epochs", "1000", "--samples", "8192", "--hidden", "256"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+failures = []
+for name, sig, timeout, must in [
+    ("stopped", signal.SIGSTOP, 10, ["flight recorder", "group world: newest collective #", "rank 0: waiting in all_reduce #",
+                                     "no record from rank 1"]),
+    ("killed", signal.SIGKILL, 60, ["flight recorder", "rank 0: failed in all_reduce #", "no record from rank 1"]),
+]:
+    job = launch(timeout)
+    ranks = wait_for_ranks(job)
+    if not ranks:
+        sys.exit(f"{name}: the ranks did not start")
+    time.sleep(3)  # training by now
+
+    os.kill(ranks[1], sig)
+    _, err = job.communicate(timeout=120)
+    missing = [m for m in must if m not in err]
+    print(f"{name}: exit {job.returncode}, {'all expected lines' if not missing else 'missing ' + str(missing)}")
+    if missing or job.returncode == 0:
+        failures.append(f"{name}: exit {job.returncode}, missing {missing}:\n{err}")
+    else:
+        print(err[err.find("accel launch: the ranks' last collectives"):])
+
+if failures:
+    print("\n".join(failures))
+    sys.exit(1)
