@@ -3,7 +3,6 @@
 // one-thread setup. Narrow LibTorch includes only (no <torch/torch.h>).
 
 #include <ATen/Context.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
@@ -12,10 +11,10 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
-#include <dlfcn.h>
-
 #include <cstdint>
 #include <vector>
+
+#include "accel/device/threads.hpp"
 
 namespace bench {
 
@@ -55,11 +54,7 @@ inline std::vector<Batch> make_batches(std::int64_t count, std::int64_t batch, s
 inline at::Tensor loss_of(MLP& model, const Batch& b) { return at::cross_entropy_loss(model->forward(b.data), b.target); }
 
 /// One intra-op thread, and one OpenBLAS thread even when OPENBLAS_NUM_THREADS
-/// was not set (at::set_num_threads does not reach a pthread OpenBLAS).
-inline void one_thread() {
-  at::set_num_threads(1);
-  using setter = void (*)(int);
-  if (auto f = reinterpret_cast<setter>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(1);
-}
+/// was not set.
+inline void one_thread() { accel::device::limit_cpu_threads(1); }
 
 }  // namespace bench

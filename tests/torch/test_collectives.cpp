@@ -159,6 +159,19 @@ TEST_SUITE("collectives") {
     });
   }
 
+  TEST_CASE("all_gather_ragged: every rank's tensor of its own length (empty included), in rank order") {
+    spawn_each({3}, [](int world, int rank) {
+      auto comm = connect_gloo();
+      // Rank r holds r * 2 elements valued 100 * r + i: rank 0's is empty.
+      auto mine = at::arange(rank * 2, at::TensorOptions().dtype(at::kLong)) + 100 * rank;
+      const auto parts = accel::comm::all_gather_ragged(comm, mine, "test ragged");
+      require(static_cast<int>(parts.size()) == world, "one part per rank");
+      for (int q = 0; q < world; ++q)
+        require(parts[q].equal(at::arange(q * 2, at::TensorOptions().dtype(at::kLong)) + 100 * q),
+                "rank " + std::to_string(q) + "'s part, seen by rank " + std::to_string(rank));
+    });
+  }
+
   TEST_CASE("all_gather_flat: shard_range pieces reconstruct the original exactly, any dtype") {
     spawn_each({2, 3}, [](int world, int rank) {
       auto comm = connect_gloo();

@@ -23,7 +23,6 @@
 // error and the others still run; a failure on one rank only costs the
 // others the collective timeout (TrainerOptions::timeout) first.
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/tensor.h>
@@ -45,7 +44,6 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <dlfcn.h>
 #include <unistd.h>
 #include <utility>
 #include <vector>
@@ -54,6 +52,7 @@
 #include "accel/bench/result.hpp"
 #include "accel/bench/traffic_model.hpp"
 #include "accel/device/peak_memory.hpp"
+#include "accel/device/threads.hpp"
 
 namespace accel::bench {
 
@@ -260,18 +259,11 @@ LocalRun run_once(W& w, const Case<S, P, D>& c, const Options& o) {
 
 // Every rank's string, on every rank (lengths first, then the padded bytes).
 inline std::vector<std::string> all_gather_strings(comm::Communicator& world, const std::string& mine) {
-  if (!world.distributed()) return {mine};
-  at::Tensor length = at::tensor(std::vector<std::int64_t>{static_cast<std::int64_t>(mine.size())});
-  std::int64_t longest = 1;
-  for (const auto& l : world.all_gather(length, "all-gather of benchmark error lengths"))
-    longest = std::max(longest, l.item<std::int64_t>());
-  at::Tensor bytes = at::zeros({longest}, at::TensorOptions().dtype(at::kByte));
+  at::Tensor bytes = at::empty({static_cast<std::int64_t>(mine.size())}, at::TensorOptions().dtype(at::kByte));
   std::copy(mine.begin(), mine.end(), bytes.data_ptr<std::uint8_t>());
   std::vector<std::string> out;
-  for (const auto& b : world.all_gather(bytes, "all-gather of benchmark errors")) {
-    const auto* p = b.data_ptr<std::uint8_t>();
-    out.emplace_back(reinterpret_cast<const char*>(p), strnlen(reinterpret_cast<const char*>(p), longest));
-  }
+  for (const auto& b : comm::all_gather_ragged(world, bytes, "all-gather of benchmark errors"))
+    out.emplace_back(reinterpret_cast<const char*>(b.data_ptr<std::uint8_t>()), static_cast<std::size_t>(b.numel()));
   return out;
 }
 
@@ -395,10 +387,7 @@ std::vector<CaseResult> compare(W& w, const Options& o, const Strategies&... str
   spawn(o.spawn, [&](int rank) {
     // A forked rank keeps the parent's thread pools, sized for the whole
     // machine: one thread each, as under `accel launch` (OMP_NUM_THREADS=1).
-    at::set_num_threads(spawn_options.threads_per_process);
-    using set_threads = void (*)(int);  // a pthread OpenBLAS ignores at::set_num_threads
-    if (auto f = reinterpret_cast<set_threads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
-      f(spawn_options.threads_per_process);
+    device::limit_cpu_threads(spawn_options.threads_per_process);
     auto results = detail::compare_here(w, o, strategies...);
     if (rank != 0) return;
     std::ofstream out(handoff);

@@ -22,6 +22,7 @@
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "accel/checkpoint/files.hpp"
+#include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
 #include "accel/data/loader.hpp"
@@ -144,19 +146,13 @@ inline std::vector<std::vector<std::int64_t>> bucket_numels_by_part(comm::Commun
                                                                     const strategy::ModelPart& part,
                                                                     const std::vector<std::int64_t>& mine) {
   if (part.count == 1 || !world.distributed()) return {mine};
-  const auto i64 = at::TensorOptions().dtype(at::kLong);
-  auto length = at::full({1}, static_cast<std::int64_t>(mine.size()), i64);
-  std::int64_t longest = 0;
-  for (const auto& l : world.all_gather(length, "all-gather of checkpoint bucket counts"))
-    longest = std::max(longest, l.item<std::int64_t>());
-  auto row = at::full({longest + 1}, -1, i64);  // (part, numels..., -1 padding)
-  row[0] = part.index;
-  for (std::size_t b = 0; b < mine.size(); ++b) row[static_cast<std::int64_t>(b) + 1] = mine[b];
+  std::vector<std::int64_t> row{part.index};  // (part, numels...)
+  row.insert(row.end(), mine.begin(), mine.end());
   std::vector<std::vector<std::int64_t>> out(part.count);
-  for (const auto& r : world.all_gather(row, "all-gather of checkpoint bucket sizes")) {
-    std::vector<std::int64_t> numels;
-    for (std::int64_t b = 1; b <= longest && r[b].item<std::int64_t>() >= 0; ++b) numels.push_back(r[b].item<std::int64_t>());
-    out.at(r[0].item<std::int64_t>()) = numels;
+  for (const auto& r : comm::all_gather_ragged(world, at::tensor(row, at::TensorOptions().dtype(at::kLong)),
+                                               "all-gather of checkpoint bucket sizes")) {
+    const auto* values = r.data_ptr<std::int64_t>();
+    out.at(values[0]) = std::vector<std::int64_t>(values + 1, values + r.numel());
   }
   return out;
 }

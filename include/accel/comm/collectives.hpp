@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -165,6 +166,23 @@ inline at::Tensor reduce_scatter(Communicator& comm, const at::Tensor& input, co
     mine = detail::ring_reduce_scatter(comm, work, what);  // (size(r))
   }
   return widen ? mine.to(input.scalar_type()) : mine;
+}
+
+/// Every rank's 1-D `mine`, in rank order, where the lengths may differ (the
+/// dtype may not): the lengths are gathered first, then the tensors padded
+/// to the longest. Small things (an error text, a list of sizes).
+inline std::vector<at::Tensor> all_gather_ragged(Communicator& comm, const at::Tensor& mine, const std::string& what) {
+  detail::check_flat(mine, "all_gather_ragged", "mine");
+  if (!comm.distributed()) return {mine};
+  const at::Tensor length = at::full({1}, mine.numel(), at::TensorOptions().dtype(at::kLong));
+  std::vector<std::int64_t> lengths;
+  for (const auto& l : comm.all_gather(length, what + " (lengths)")) lengths.push_back(l.item<std::int64_t>());
+  const std::int64_t longest = std::max<std::int64_t>(1, *std::max_element(lengths.begin(), lengths.end()));
+  at::Tensor padded = at::zeros({longest}, mine.options());  // (longest)
+  padded.narrow(0, 0, mine.numel()).copy_(mine);
+  std::vector<at::Tensor> parts = comm.all_gather(padded, what);
+  for (std::size_t r = 0; r < parts.size(); ++r) parts[r] = parts[r].narrow(0, 0, lengths[r]);
+  return parts;
 }
 
 /// The full flat tensor (`total_numel` elements, in rank order) from every
