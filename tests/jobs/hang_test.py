@@ -6,9 +6,10 @@ and which never entered it.
 
 1. The MLP example on 2 ranks; rank 1 is stopped (SIGSTOP: alive, silent)
    mid-training, so rank 0 waits in an all-reduce until --timeout ends the
-   job: the summary must show rank 0 waiting in an all-reduce and no record
-   from rank 1 (a stopped process cannot answer).
-2. Rank 1 is SIGKILLed instead: rank 0's all-reduce fails, it writes its own
+   job: the summary must show rank 0 waiting in a collective (a training
+   all-reduce, or an evaluation all-gather) and no record from rank 1 (a
+   stopped process cannot answer).
+2. Rank 1 is SIGKILLed instead: rank 0's collective fails, it writes its own
    record, and the summary shows rank 0 failed in it."""
 import argparse
 import os
@@ -33,9 +34,10 @@ def launch(timeout):
 
 failures = []
 for name, sig, timeout, must in [
-    ("stopped", signal.SIGSTOP, 10, ["flight recorder", "group world: newest collective #", "rank 0: waiting in all_reduce #",
+    # Training all-reduces or evaluation all-gathers: the moment decides which.
+    ("stopped", signal.SIGSTOP, 10, ["flight recorder", "group world: newest collective #", "rank 0: waiting in ",
                                      "no record from rank 1"]),
-    ("killed", signal.SIGKILL, 60, ["flight recorder", "rank 0: failed in all_reduce #", "no record from rank 1"]),
+    ("killed", signal.SIGKILL, 60, ["flight recorder", "rank 0: failed in ", "no record from rank 1"]),
 ]:
     job = launch(timeout)
     ranks = wait_for_ranks(job)
