@@ -3,6 +3,7 @@
 // writes files, so it builds in seconds and works where LibTorch is absent.
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <string>
@@ -30,6 +31,7 @@ const char* const main_usage =
     "  config   write a JSON config file for accel launch (accel config default: defaults only)\n"
     "  env      show accel's version, the machine, the default config and launcher variables\n"
     "  export   copy a checkpoint's full model to one file: accel export <checkpoint dir> <model.pt>\n"
+    "  test     launch the bundled self-test on this set-up (rendezvous, collectives, RNG, data sharding)\n"
     "\n"
     "Run accel <command> --help for its flags. accel --version prints the version.\n";
 
@@ -123,6 +125,42 @@ int config_command(const std::vector<std::string>& args) {
   return 0;
 }
 
+// accel-selftest: $ACCEL_SELFTEST, else beside this executable (the build
+// folder, or the installed bin/).
+std::filesystem::path selftest_program() {
+  if (const char* given = std::getenv("ACCEL_SELFTEST"); given && *given) return given;
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return (ec ? std::filesystem::path(".") : self.parent_path()) / "accel-selftest";
+}
+
+int test_command(const std::vector<std::string>& args) {
+  ParsedCommand parsed = parse_command_line(args, /*program_follows=*/true);  // launch's flags, --timeout too
+  if (parsed.help) {
+    std::fputs(("usage: accel test [flags]\n"
+                "\n"
+                "Launches the bundled self-test (accel-selftest) as accel launch would launch a program,\n"
+                "with the same config file and flags, as accelerate test does. Every rank checks the\n"
+                "rendezvous, each collective on Gloo (and NCCL where every rank has a GPU), RNG agreement\n"
+                "after set_seed, data sharding and a DDP step; rank 0 prints PASS or FAIL per check.\n" +
+                flags_help(true))
+                   .c_str(),
+               stdout);
+    return 0;
+  }
+  if (!parsed.positional.empty())
+    throw UsageError("unexpected argument '" + parsed.positional.front() + "' (usage: accel test [flags])");
+  LaunchSettings settings = settings_from_files(parsed, parsed.flags.quiet);
+  settings.override_with(parsed.flags);
+  JobPlan plan = resolve_plan(settings);
+  const auto program = selftest_program();
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(program, ec))
+    throw UsageError("the self-test program " + program.string() + " is missing: build it (ninja -C build " +
+                     "tools/accel-selftest) or point ACCEL_SELFTEST at it");
+  return run_launch(std::move(plan), {program.string()});
+}
+
 int env_command(const std::vector<std::string>& args) {
   for (const auto& arg : args) {
     if (arg == "-h" || arg == "--help") {
@@ -180,7 +218,8 @@ int main(int argc, char** argv) {
     if (command == "config") return config_command(args);
     if (command == "env") return env_command(args);
     if (command == "export") return export_command(args);
-    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env, export; see accel --help)\n",
+    if (command == "test") return test_command(args);
+    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env, export, test; see accel --help)\n",
                  command.c_str());
     return exit_usage;
   } catch (const UsageError& e) {

@@ -42,21 +42,23 @@ fi
 # LibTorch 2.x: PyPI's torch wheel (its torch/ folder is a LibTorch: include/,
 # lib/, share/cmake/Torch) and accelerate, the reference of the parity checks.
 provision_pypi() {
-  if ! "$venv/bin/python" -c "import torch, accelerate, sys; sys.exit(torch.__version__.split('+')[0] != '$pypi_torch')" \
+  # tensorboard: its own reader checks the event files accel's tracker writes.
+  if ! "$venv/bin/python" -c "import torch, accelerate, tensorboard, sys; sys.exit(torch.__version__.split('+')[0] != '$pypi_torch')" \
        2>/dev/null; then
-    echo "accel: installing torch==$pypi_torch and accelerate==$pypi_accelerate from PyPI into $venv (about 5 GB)" >&2
+    echo "accel: installing torch==$pypi_torch, accelerate==$pypi_accelerate and tensorboard from PyPI into $venv (about 5 GB)" >&2
     mkdir -p "$(dirname "$venv")" && /usr/bin/python3 -m venv "$venv" >&2
-    "$venv/bin/pip" install -q --disable-pip-version-check "torch==$pypi_torch" "accelerate==$pypi_accelerate" >&2
+    "$venv/bin/pip" install -q --disable-pip-version-check "torch==$pypi_torch" "accelerate==$pypi_accelerate" tensorboard >&2
   fi
   "$venv/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))'
 }
 
-# build DIR [meson options...]
+# build DIR [meson options...]: everything, or for the demo only what it runs
+# (the command line and the MLP example: a newcomer's first minutes count).
 build() {
   local dir=$1; shift
   [ -f "$dir/build.ninja" ] || meson setup "$dir" --buildtype=release "$@"
   local start; start=$(date +%s)
-  ninja -C "$dir"
+  if [ "$what" = demo ]; then ninja -C "$dir" tools/accel examples/mlp; else ninja -C "$dir"; fi
   echo "accel: build of $dir took $(( $(date +%s) - start )) s"
 }
 

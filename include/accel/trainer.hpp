@@ -39,6 +39,7 @@
 #include "accel/checkpoint/state.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/environment.hpp"
+#include "accel/comm/objects.hpp"
 #include "accel/comm/rank_order.hpp"
 #include "accel/core/concepts.hpp"
 #include "accel/core/errors.hpp"
@@ -46,6 +47,7 @@
 #include "accel/core/rules.hpp"
 #include "accel/data/loader.hpp"
 #include "accel/device/device.hpp"
+#include "accel/device/out_of_memory.hpp"
 #include "accel/launch/settings.hpp"
 #include "accel/precision/autocast.hpp"
 #include "accel/precision/loss_scaling.hpp"
@@ -53,6 +55,8 @@
 #include "accel/strategy/gradient_norm.hpp"
 #include "accel/strategy/memory.hpp"
 #include "accel/strategy/single_process.hpp"  // the default strategy's; the others come with their headers
+#include "accel/tracking/progress.hpp"
+#include "accel/tracking/trackers.hpp"
 
 namespace accel {
 
@@ -76,6 +80,15 @@ struct TrainerOptions {
   /// not (NOTE [Debug mode] in comm/communicator.hpp). Unset:
   /// ACCELERATE_DEBUG_MODE (what `accel launch --debug` sets), else off.
   std::optional<bool> debug{};
+  /// Accelerate's GradientAccumulationPlugin(sync_with_dataloader): the last
+  /// batch of a prepared loader's epoch also synchronises and steps (and
+  /// starts a new accumulation cycle), so no gradients carry over into the
+  /// next epoch. Off: only every gradient_accumulation_steps-th micro-step.
+  bool sync_with_dataloader = true;
+  /// Accelerate's log_with: the built-in trackers init_trackers starts
+  /// ("jsonl", "csv", "tensorboard", "all"; empty: "jsonl"), writing to
+  /// project_dir/<project> (NOTE at the top of <accel/tracking/trackers.hpp>).
+  std::vector<std::string> log_with{};
 };
 
 namespace detail {
@@ -130,6 +143,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         accumulation_steps_(launch::accumulation_steps(options.gradient_accumulation_steps)) {
     (void)device;
     launch::check_launcher_settings<Strategy, Precision>();
+    (void)tracking::built_in_trackers(options_.log_with);  // a misspelt name fails here, not at init_trackers
   }
   explicit Trainer(TrainerOptions options) : Trainer(Strategy{}, Precision{}, Device{}, options) {}
   Trainer(Strategy strategy, TrainerOptions options) : Trainer(strategy, Precision{}, Device{}, options) {}
@@ -326,13 +340,49 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     return at::cat(parts, 0);
   }
 
-  /// Sum (or mean, as floating point) of `tensor` over ranks; the input is
+  /// Sum, mean (as floating point) or element-wise maximum of `tensor` over
+  /// ranks (Accelerate's reduce with "sum", "mean", "max"); the input is
   /// left untouched.
   at::Tensor reduce(const at::Tensor& tensor, const std::string& op = "sum") {
-    if (op != "sum" && op != "mean") throw std::invalid_argument("accel: reduce op must be \"sum\" or \"mean\"");
+    if (op != "sum" && op != "mean" && op != "max")
+      throw std::invalid_argument("accel: reduce op must be \"sum\", \"mean\" or \"max\", got \"" + op + "\"");
     at::Tensor out = tensor.clone();
+    if (op == "max") {
+      comm_.all_reduce_max(out, "reduce(max)");
+      return out;
+    }
     comm_.all_reduce(out, "reduce(" + op + ")");
     return op == "mean" ? out.div(num_processes()) : out;
+  }
+
+  /// Every rank's `object` in rank order (Accelerate's gather_object), over
+  /// the same ranks as gather. `T`: anything nlohmann::json converts both
+  /// ways (strings, numbers, vectors and maps of them, your own types with
+  /// to_json/from_json).
+  template <class T>
+  std::vector<T> gather_object(const T& object) {
+    return comm::gather_object(data_group(), object);
+  }
+
+  /// `tensor` padded with `pad_value` along `dim` to the largest size any
+  /// rank has there (at the start with `pad_first`), so that ragged
+  /// per-rank results can be gathered (Accelerate's pad_across_processes).
+  at::Tensor pad_across_processes(const at::Tensor& tensor, std::int64_t dim = 0, double pad_value = 0,
+                                  bool pad_first = false) {
+    return comm::pad_across_processes(data_group(), tensor, dim, pad_value, pad_first);
+  }
+
+  /// Accelerate's find_executable_batch_size: calls `attempt(batch_size)`
+  /// from `starting_batch_size`, and after an out-of-memory error on any
+  /// rank calls it again on every rank at 90% of the size, until it runs;
+  /// returns what `attempt` returns. See <accel/device/out_of_memory.hpp>
+  /// for what it can and cannot rescue.
+  template <class Attempt>
+  auto find_executable_batch_size(std::int64_t starting_batch_size, Attempt&& attempt,
+                                  const std::function<std::int64_t(std::int64_t)>& reduce_batch_size =
+                                      device::reduce_batch_size) {
+    return device::find_executable_batch_size(comm_, starting_batch_size, std::forward<Attempt>(attempt),
+                                              compat::cuda_empty_cache, reduce_batch_size);
   }
 
   void wait_for_everyone() { comm_.barrier(); }
@@ -353,6 +403,48 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   void on_local_main_process(F&& fn) const {
     if (is_local_main_process()) std::forward<F>(fn)();
   }
+  // ------------------------------------------------------------ trackers and progress
+  /// Starts the trackers (TrainerOptions::log_with, plus any of your own
+  /// meeting accel::tracking::tracker) on the main process, in
+  /// project_dir/`project`, and stores `config` with each (Accelerate's
+  /// init_trackers). The other ranks keep none; every call below is then a
+  /// no-op there, so the loop needs no `if (is_main_process())`.
+  template <tracking::tracker... Custom>
+  void init_trackers(const std::string& project, const nlohmann::json& config = nlohmann::json::object(),
+                     Custom... custom) {
+    trackers_initialised_ = true;
+    if (!is_main_process()) return;
+    std::vector<tracking::AnyTracker> mine;
+    (mine.emplace_back(std::move(custom)), ...);
+    trackers_.start(options_.log_with, options_.project_dir, project, config, std::move(mine));
+  }
+  /// Hands `values` (a JSON object: numbers, strings, nested objects) to
+  /// every tracker at `step` (default: the optimizer steps taken so far).
+  void log(const nlohmann::json& values, std::optional<std::int64_t> step = std::nullopt) {
+    if (!trackers_initialised_)  // on every rank alike, so a missing init_trackers is found on a 1-rank run too
+      throw std::logic_error("accel: log() before init_trackers(): start the trackers first");
+    if (!is_main_process()) return;
+    trackers_.log(values, step.value_or(completed_steps()));
+  }
+  /// Finishes every tracker (Accelerate's end_training).
+  void end_training() { trackers_.finish(); }
+  /// The running tracker of type T (a built-in one such as
+  /// tracking::TensorBoardTracker, or your own); nullptr if none, and on
+  /// every rank but the main process.
+  template <class T>
+  T* get_tracker() {
+    return trackers_.template get<T>();
+  }
+
+  /// A tqdm-style progress bar (steps, rate, ETA, last loss) drawn on the
+  /// main process only, and only where stdout is a terminal:
+  ///   auto bar = trainer.progress_bar(loader.size(), {.description = "epoch 1"});
+  ///   ... bar.update(1, loss.item<double>());
+  tracking::ProgressBar progress_bar(std::int64_t total, tracking::ProgressOptions options = {}) const {
+    options.disable = options.disable || !is_main_process();
+    return tracking::ProgressBar(total, std::move(options));
+  }
+
   /// Accelerate's set_trigger / check_trigger: any rank raises the flag, and
   /// every rank's next check_trigger() (a collective: all ranks call it at
   /// the same point) returns true, e.g. to stop every rank on a NaN loss.
@@ -510,7 +602,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
 
   void begin_micro_step() {
     const auto& cursor = *cursor_;
-    const bool end_of_epoch = cursor.sampler != nullptr && cursor.last_in_epoch;
+    const bool end_of_epoch = options_.sync_with_dataloader && cursor.sampler != nullptr && cursor.last_in_epoch;
     if (end_of_epoch) {
       counters_.micro_steps = 0;
       sync_gradients_ = true;
@@ -598,6 +690,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   std::vector<checkpoint::CustomObject> custom_;
   std::vector<std::weak_ptr<data::LoaderPosition>> loader_positions_;
   std::shared_ptr<data::LoaderCursor> cursor_ = std::make_shared<data::LoaderCursor>();
+  tracking::Trackers trackers_;  // started on the main process only
+  bool trackers_initialised_ = false;
 };
 
 }  // namespace accel

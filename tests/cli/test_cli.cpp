@@ -254,12 +254,12 @@ TEST_CASE("launch: two ranks get torchrun's and Accelerate's variables, output i
 
 TEST_CASE("launch: defaults, thread count, accumulation steps, program arguments") {
   TempDir dir;
-  SUBCASE("one process: mixed precision defaults to no, OMP_NUM_THREADS is inherited") {
+  SUBCASE("one process: no mixed precision is exported unless asked for, OMP_NUM_THREADS is inherited") {
     auto r = launch_sh({}, print_env, dir, {{"OMP_NUM_THREADS", "7"}});
     INFO(r);
     CHECK(r.status == 0);
     CHECK(contains(r.out, "[rank 0] R=0 W=1 LR=0 LW=1 A=127.0.0.1 P="));
-    CHECK(contains(r.out, " T=7 MP=no G=0 GA=\n"));
+    CHECK(contains(r.out, " T=7 MP= G=0 GA=\n"));  // the program's compiled precision wins, as in Accelerate
   }
   SUBCASE("--num_cpu_threads_per_process and --gradient_accumulation_steps") {
     auto r = launch_sh({"--num_processes=2", "--num_cpu_threads_per_process", "3", "--gradient_accumulation_steps",
@@ -292,8 +292,8 @@ TEST_CASE("launch: multi-machine arithmetic (num_processes is the total, as in A
                      print_env, dir);
   INFO(r);
   CHECK(r.status == 0);
-  CHECK(contains(r.out, "[rank 2] R=2 W=4 LR=0 LW=2 A=10.1.2.3 P=29600 T=1 MP=no G=1 GA=\n"));
-  CHECK(contains(r.out, "[rank 3] R=3 W=4 LR=1 LW=2 A=10.1.2.3 P=29600 T=1 MP=no G=1 GA=\n"));
+  CHECK(contains(r.out, "[rank 2] R=2 W=4 LR=0 LW=2 A=10.1.2.3 P=29600 T=1 MP= G=1 GA=\n"));
+  CHECK(contains(r.out, "[rank 3] R=3 W=4 LR=1 LW=2 A=10.1.2.3 P=29600 T=1 MP= G=1 GA=\n"));
   CHECK_FALSE(contains(r.out, "[rank 0]"));
   CHECK_FALSE(contains(r.out, "[rank 1]"));
 }
@@ -426,20 +426,23 @@ TEST_CASE("launch: config file values, flag overrides, nested sections") {
     "deepspeed_config": {"gradient_accumulation_steps": 8}, "fsdp_config": {}, "megatron_lm_config": {}
   })");
   SUBCASE("values come through") {
-    auto r = launch_sh({"--config_file", config}, std::string(print_env) + "; echo \"CPU=$ACCELERATE_USE_CPU\"", dir);
+    auto r = launch_sh({"--config_file", config},
+                       std::string(print_env) + "; echo \"CPU=$ACCELERATE_USE_CPU FROM=$ACCEL_MIXED_PRECISION_FROM\"", dir);
     INFO(r);
     CHECK(r.status == 0);
+    // Where mixed_precision came from travels with it, so a rank compiled otherwise can say what to change.
+    CHECK(contains(r.out, "[rank 1] CPU=true FROM=config file " + config + "\n"));
     CHECK(contains(r.out, "[rank 0] R=0 W=2 LR=0 LW=2 A=127.0.0.1 P=29611 T=1 MP=fp16 G=0 GA=8\n"));
     CHECK(contains(r.out, "[rank 1] R=1 W=2 LR=1 LW=2 A=127.0.0.1 P=29611 T=1 MP=fp16 G=0 GA=8\n"));
-    CHECK(contains(r.out, "[rank 1] CPU=true\n"));
   }
   SUBCASE("flags override the file") {
     auto r = launch_sh({"--config_file=" + config, "--mixed_precision", "no", "--num_processes", "1",
                         "--main_process_port", "29612"},
-                       print_env, dir);
+                       std::string(print_env) + "; echo \"FROM=$ACCEL_MIXED_PRECISION_FROM\"", dir);
     INFO(r);
     CHECK(r.status == 0);
     CHECK(contains(r.out, "[rank 0] R=0 W=1 LR=0 LW=1 A=127.0.0.1 P=29612 T= MP=no G=0 GA=8\n"));
+    CHECK(contains(r.out, "[rank 0] FROM=--mixed_precision\n"));
     CHECK_FALSE(contains(r.out, "[rank 1]"));
   }
   SUBCASE("the default config under $HF_HOME is used when no --config_file is given") {
@@ -620,6 +623,15 @@ TEST_CASE("help, env and unknown commands") {
   auto unknown = run_accel({"lanch"}, dir);
   CHECK(unknown.status == 2);
   CHECK(contains(unknown.err, "unknown command 'lanch'"));
+
+  // accel test (the self-test itself runs as the accel_test_* tests, it links LibTorch)
+  CHECK(contains(top.out, "test "));
+  auto missing = run_accel({"test", "--num_processes", "2"}, dir, {{"ACCEL_SELFTEST", dir.file("nowhere")}});
+  CHECK(missing.status == 2);
+  CHECK(contains(missing.err, "the self-test program " + dir.file("nowhere") + " is missing: build it"));
+  auto stray = run_accel({"test", "./train"}, dir);
+  CHECK(stray.status == 2);
+  CHECK(contains(stray.err, "unexpected argument './train'"));
 }
 
 TEST_CASE("export: copies a checkpoint's model file; refuses an incomplete one and a model cut into parts") {

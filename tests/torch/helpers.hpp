@@ -97,14 +97,22 @@ class ScopedEnv {
     }
   }
   void set(const std::string& name, const std::string& value) {
+    remember(name);
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  void unset(const std::string& name) {
+    remember(name);
+    ::unsetenv(name.c_str());
+  }
+
+ private:
+  void remember(const std::string& name) {
     if (std::none_of(saved_.begin(), saved_.end(), [&](const auto& s) { return s.first == name; })) {
       const char* before = std::getenv(name.c_str());
       saved_.emplace_back(name, before ? std::optional<std::string>(before) : std::nullopt);
     }
-    ::setenv(name.c_str(), value.c_str(), 1);
   }
 
- private:
   std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
 };
 

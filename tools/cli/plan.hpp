@@ -163,11 +163,17 @@ inline JobPlan resolve_plan(const LaunchSettings& s) {
     throw UsageError(s.describe("distributed_type", plan.distributed_type) +
                      " is not one of Accelerate's distributed types (NO, MULTI_CPU, MULTI_GPU, DEEPSPEED, FSDP, ...)");
 
-  const std::string precision = s.mixed_precision.value_or("no");
-  if (precision != "no" && precision != "fp16" && precision != "bf16")
-    throw UsageError(s.describe("mixed_precision", precision) + " must be one of no, fp16, bf16" +
-                     (precision == "fp8" ? " (accel has no fp8)" : ""));
-  plan.job_env.emplace_back(accel::launch::variables::mixed_precision, precision);
+  // Exported only when asked for: the program's compiled precision wins over a default (as in Accelerate).
+  if (s.mixed_precision) {
+    const std::string& precision = *s.mixed_precision;
+    if (precision != "no" && precision != "fp16" && precision != "bf16")
+      throw UsageError(s.describe("mixed_precision", precision) + " must be one of no, fp16, bf16" +
+                       (precision == "fp8" ? " (accel has no fp8)" : ""));
+    plan.job_env.emplace_back(accel::launch::variables::mixed_precision, precision);
+    auto origin = s.origin.find("mixed_precision");
+    plan.job_env.emplace_back(accel::launch::variables::mixed_precision_origin,
+                              origin == s.origin.end() ? std::string("--mixed_precision") : origin->second);
+  }
 
   if (s.gradient_accumulation_steps) {
     at_least("gradient_accumulation_steps", *s.gradient_accumulation_steps, 1);

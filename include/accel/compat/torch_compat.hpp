@@ -132,4 +132,12 @@ inline void reset_cuda_peak([[maybe_unused]] int index) {
 #endif
 }
 
+/// Returns the caching allocator's unused blocks to the driver
+/// (torch.cuda.empty_cache), after an out-of-memory error; nothing without CUDA.
+inline void cuda_empty_cache() {
+#if ACCEL_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
 }  // namespace accel::compat

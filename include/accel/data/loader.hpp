@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <iterator>
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "accel/data/dataset.hpp"
 #include "accel/data/sampler.hpp"
@@ -25,7 +27,26 @@ struct LoaderOptions {
   /// Which samples each rank reads: Accelerate's whole batches in turn (the
   /// default), or PyTorch DistributedSampler's every n-th sample.
   Sharding sharding = Sharding::batches;
+  /// Accelerate's split_batches: `batch_size` is the global batch, split
+  /// evenly across the data ranks (each reads batch_size / ranks samples a
+  /// step), so the global batch stays the same whatever the number of
+  /// processes. batch_size must divide by the number of ranks.
+  bool split_batches = false;
 };
+
+/// The options one rank's loader runs with: under split_batches, its share
+/// of the global batch.
+inline LoaderOptions per_rank_options(LoaderOptions options, int world_size) {
+  if (!options.split_batches) return options;
+  if (options.batch_size < 1 || options.batch_size % world_size != 0)
+    throw std::invalid_argument("accel: split_batches needs a batch_size that divides by the " +
+                                std::to_string(world_size) + " data ranks, got " + std::to_string(options.batch_size) +
+                                ": use a multiple of " + std::to_string(world_size) + ", or per-rank batches " +
+                                "(split_batches = false)");
+  options.batch_size /= world_size;
+  options.split_batches = false;
+  return options;
+}
 
 /// Where the most recently served batch sits: shared between a loader and
 /// its trainer.
@@ -53,19 +74,19 @@ class DataLoader {
   DataLoader(Dataset dataset, LoaderOptions options, int world_size, int rank, at::Device device,
              std::shared_ptr<LoaderCursor> cursor, std::shared_ptr<LoaderPosition> position)
       : dataset_(std::move(dataset)),
-        options_(options),
+        options_(per_rank_options(options, world_size)),
         sampler_(std::make_unique<DistributedSampler>(
             dataset_.size(), world_size, rank,
-            SamplerOptions{.shuffle = options.shuffle,
-                           .seed = options.seed,
-                           .drop_last = options.drop_last && options.sharding == Sharding::batches,
-                           .sharding = options.sharding,
-                           .batch_size = options.batch_size})),
+            SamplerOptions{.shuffle = options_.shuffle,
+                           .seed = options_.seed,
+                           .drop_last = options_.drop_last && options_.sharding == Sharding::batches,
+                           .sharding = options_.sharding,
+                           .batch_size = options_.batch_size})),
         device_(device),
         cursor_(std::move(cursor)),
         position_(std::move(position)) {
-    if (options.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
-    position_->batch_size = options.batch_size;
+    if (options_.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
+    position_->batch_size = options_.batch_size;
   }
 
   /// Reshuffle for `epoch` (same permutation on every rank). After

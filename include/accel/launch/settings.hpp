@@ -37,14 +37,22 @@ inline int accumulation_steps(const std::optional<int>& configured) {
   return steps;
 }
 
-// Where an ACCELERATE_* variable set by `accel launch` disagrees with the
-// compiled policy, say so instead of silently training in another precision.
+// As in Accelerate, the precision in the program wins over the launcher's
+// default: `accel launch` exports ACCELERATE_MIXED_PRECISION only when the
+// user asked for one (a flag, or a key in a config file). Where that request
+// disagrees with the compiled Precision policy, refuse instead of silently
+// training in another precision, and say what to change.
 inline void check_launcher_precision(const char* compiled) {
   auto requested = comm::process_environment(variables::mixed_precision);
-  if (requested && *requested != compiled)
-    throw ConfigurationError(std::string("accel: the launcher asked for mixed_precision=") + *requested +
-                             " but this program's Trainer is compiled with mixed_precision=" + compiled +
-                             ": change the Trainer's Precision policy or the --mixed_precision flag");
+  if (!requested || *requested == compiled) return;
+  const auto origin = comm::process_environment(variables::mixed_precision_origin);
+  const std::string where = !origin                     ? std::string("the environment")
+                            : origin->starts_with("--") ? "accel launch " + *origin + " " + *requested
+                                                        : "mixed_precision in " + *origin;
+  throw ConfigurationError(std::string("accel: mixed_precision=") + *requested + " was asked for (by " + where +
+                           ") but this program's Trainer is compiled with mixed_precision=" + compiled +
+                           ": launch with --mixed_precision " + compiled + " (or without asking for one), or " +
+                           "change the Trainer's Precision policy");
 }
 
 // `accel launch` with an fsdp_config exports FSDP_SHARDING_STRATEGY (a name,

@@ -10,6 +10,9 @@
 namespace accel::launch::variables {
 
 inline constexpr const char* mixed_precision = "ACCELERATE_MIXED_PRECISION";
+/// accel's own: where the launcher's mixed_precision came from ("--mixed_precision",
+/// "config file F"), so that a rank refusing it can say what to change.
+inline constexpr const char* mixed_precision_origin = "ACCEL_MIXED_PRECISION_FROM";
 inline constexpr const char* gradient_accumulation_steps = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
 inline constexpr const char* use_cpu = "ACCELERATE_USE_CPU";
 inline constexpr const char* debug_mode = "ACCELERATE_DEBUG_MODE";

@@ -1,0 +1,75 @@
+#pragma once
+// Accelerate's helpers for what is not one equal-shaped tensor per rank:
+//   gather_object          every rank's object (anything nlohmann::json converts), in rank order
+//   pad_across_processes   a tensor padded along one dimension to the longest rank's size,
+//                          so that ranks with ragged batches can gather it
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/tensor.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "accel/comm/collectives.hpp"
+#include "accel/comm/communicator.hpp"
+
+namespace accel::comm {
+
+/// Every rank's `object`, in rank order, on every rank. `T` is anything
+/// nlohmann::json converts both ways (numbers, strings, containers of them,
+/// or a type with to_json/from_json). It travels as JSON text, packed in
+/// int64 words (Gloo's all-gather refuses bytes in LibTorch 2.x).
+template <class T>
+std::vector<T> gather_object(Communicator& comm, const T& object) {
+  if (!comm.distributed()) return {object};
+  const std::string text = nlohmann::json(object).dump();
+  std::vector<std::int64_t> words(1 + (text.size() + 7) / 8, 0);
+  words[0] = static_cast<std::int64_t>(text.size());
+  if (!text.empty()) std::memcpy(words.data() + 1, text.data(), text.size());
+  const at::Tensor mine = at::tensor(words, at::TensorOptions().dtype(at::kLong));
+  std::vector<T> out;
+  int rank = 0;
+  for (const at::Tensor& part : all_gather_ragged(comm, mine, "gather_object")) {
+    const at::Tensor host = part.contiguous();
+    const auto* data = host.data_ptr<std::int64_t>();
+    const std::string received(reinterpret_cast<const char*>(data + 1), static_cast<std::size_t>(data[0]));
+    try {
+      out.push_back(nlohmann::json::parse(received).template get<T>());
+    } catch (const nlohmann::json::exception& e) {
+      throw std::invalid_argument("accel: gather_object: rank " + std::to_string(rank) +
+                                  "'s object does not convert to this rank's type: " + e.what());
+    }
+    ++rank;
+  }
+  return out;
+}
+
+/// `tensor` padded with `pad_value` along `dim` to the largest size any rank
+/// has there (at the end, or at the start with `pad_first`), so that the
+/// ranks' tensors can be gathered. Every other dimension must agree.
+inline at::Tensor pad_across_processes(Communicator& comm, const at::Tensor& tensor, std::int64_t dim = 0,
+                                       double pad_value = 0, bool pad_first = false) {
+  if (tensor.dim() == 0) return tensor;
+  if (dim < 0) dim += tensor.dim();
+  if (dim < 0 || dim >= tensor.dim())
+    throw std::invalid_argument("accel: pad_across_processes: dimension " + std::to_string(dim) +
+                                " is out of range for a tensor of " + std::to_string(tensor.dim()) + " dimensions");
+  if (!comm.distributed()) return tensor;
+  at::Tensor size = at::full({1}, tensor.size(dim), at::TensorOptions().dtype(at::kLong));
+  comm.all_reduce_max(size, "pad_across_processes (sizes)");
+  const std::int64_t longest = size.item<std::int64_t>();
+  if (longest == tensor.size(dim)) return tensor;
+  // constant_pad_nd takes (before, after) pairs from the last dimension backwards.
+  std::vector<std::int64_t> pads(2 * (tensor.dim() - dim), 0);
+  pads[pads.size() - (pad_first ? 2 : 1)] = longest - tensor.size(dim);
+  return at::constant_pad_nd(tensor, pads, pad_value);
+}
+
+}  // namespace accel::comm
