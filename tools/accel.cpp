@@ -2,8 +2,11 @@
 // LibTorch programs. Torch-free on purpose: it only starts processes and
 // writes files, so it builds in seconds and works where LibTorch is absent.
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
+#include <iostream>
 #include <exception>
 #include <filesystem>
 #include <string>
@@ -16,6 +19,7 @@
 #include "accel/checkpoint/files.hpp"
 #include "cli/plan.hpp"
 #include "cli/settings.hpp"
+#include "cli/wizard.hpp"
 
 namespace {
 
@@ -57,13 +61,15 @@ std::string launch_usage() {
 }
 
 std::string config_usage() {
-  return "usage: accel config [default] [flags]\n"
+  return "usage: accel config [default|update] [flags]\n"
          "\n"
-         "Writes a JSON config file with Accelerate's keys for accel launch, without questions:\n"
-         "the given values, and defaults for the rest. It goes to --config_file, else to\n"
-         "$HF_HOME/accelerate/default_config.json (else ~/.cache/huggingface/accelerate/...).\n"
-         "accel config replaces an existing file; accel config default, as in Accelerate,\n"
-         "does not.\n" +
+         "Writes a JSON config file with Accelerate's keys for accel launch. On a terminal and\n"
+         "without flags, it asks Accelerate's questions (machines, processes, CPU/GPU, FSDP,\n"
+         "mixed precision, ...); with flags, it writes the given values and defaults for the rest.\n"
+         "It goes to --config_file, else to $HF_HOME/accelerate/default_config.json (else\n"
+         "~/.cache/huggingface/accelerate/...). accel config replaces an existing file;\n"
+         "accel config default, as in Accelerate, does not; accel config update rewrites an\n"
+         "existing file with every key this version writes (and the flags given).\n" +
          flags_help(false);
 }
 
@@ -102,26 +108,43 @@ int config_command(const std::vector<std::string>& args) {
     std::fputs(config_usage().c_str(), stdout);
     return 0;
   }
-  bool defaults_only = false;
+  std::string mode;  // "", "default" or "update"
   for (const auto& word : parsed.positional) {
-    if (word == "default" && !defaults_only) defaults_only = true;
-    else throw UsageError("unexpected argument '" + word + "' (usage: accel config [default] [flags])");
+    if ((word == "default" || word == "update") && mode.empty()) mode = word;
+    else throw UsageError("unexpected argument '" + word + "' (usage: accel config [default|update] [flags])");
   }
-  resolve_plan(parsed.flags);  // refuse what accel launch would refuse
   const std::filesystem::path path = parsed.config_file ? std::filesystem::path(*parsed.config_file)
                                                         : default_config_path();
   if (is_yaml_path(path))
     throw UsageError("--config_file " + path.string() + ": accel writes JSON config files; use a .json name");
   std::error_code ec;
-  if (defaults_only && std::filesystem::exists(path, ec)) {
+  LaunchSettings settings = parsed.flags;
+  if (mode == "update") {
+    // Accelerate's `config update`: the file read (and checked) as launch reads it, written back with
+    // every key the current version writes; flags given change their keys.
+    if (!std::filesystem::is_regular_file(path, ec))
+      throw UsageError(path.string() + " does not exist: there is no config to update (write one with accel config)");
+    settings = load_config_file(path);
+    settings.override_with(parsed.flags);
+  } else if (mode.empty() && parsed.flags.origin.empty()) {
+    if (::isatty(STDIN_FILENO) != 1)
+      throw UsageError("no flags given and no terminal to ask on: give the settings as flags (accel config "
+                       "--num_processes 2 ...), or write the defaults with accel config default");
+    std::printf("accel config: a few questions (Enter takes the default in brackets); the answers go to %s\n",
+                path.c_str());
+    Questions questions(std::cin, std::cout);
+    settings = ask_config(questions, detail::has_nvidia_gpus());
+  }
+  resolve_plan(settings);  // refuse what accel launch would refuse
+  if (mode == "default" && std::filesystem::exists(path, ec)) {
     std::fprintf(stderr,
                  "accel config: %s already exists; not replacing it (run accel config to replace it, or "
                  "pass --config_file to write elsewhere)\n",
                  path.c_str());
     return 1;
   }
-  write_config_file(path, config_to_json(parsed.flags, default_distributed_type(parsed.flags)));
-  if (!parsed.flags.quiet) std::printf("accel config: wrote %s\n", path.c_str());
+  write_config_file(path, config_to_json(settings, default_distributed_type(settings)));
+  if (!parsed.flags.quiet) std::printf("accel config: %s %s\n", mode == "update" ? "updated" : "wrote", path.c_str());
   return 0;
 }
 

@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -94,31 +95,40 @@ struct Running {
   Clock::time_point started;
 };
 
+// The command line and environment of an accel child: ours without launcher
+// variables that would change what is tested, plus a private HF_HOME.
+struct ChildCommand {
+  std::vector<std::string> argv_strings, env;
+  std::vector<char*> argv, envp;
+  ChildCommand(const std::vector<std::string>& args, const std::string& hf_home,
+               const std::map<std::string, std::string>& extra_env) {
+    for (char** entry = environ; *entry; ++entry) {
+      std::string text(*entry);
+      std::string name = text.substr(0, text.find('='));
+      static const char* dropped[] = {"RANK",        "WORLD_SIZE",  "LOCAL_RANK",      "LOCAL_WORLD_SIZE",
+                                      "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "HF_HOME",
+                                      "XDG_CACHE_HOME", "GROUP_RANK"};
+      bool drop = name.starts_with("ACCELERATE_") || name.starts_with("FSDP_") || extra_env.count(name);
+      for (const char* d : dropped) drop = drop || name == d;
+      if (!drop) env.push_back(text);
+    }
+    env.push_back("HF_HOME=" + hf_home);
+    for (const auto& [name, value] : extra_env) env.push_back(name + "=" + value);
+    argv_strings.push_back(accel_exe());
+    argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+    for (auto& s : argv_strings) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    for (auto& s : env) envp.push_back(s.data());
+    envp.push_back(nullptr);
+  }
+  ChildCommand(const ChildCommand&) = delete;
+};
+
 Running start_accel(const std::vector<std::string>& args, const std::string& hf_home,
                     const std::map<std::string, std::string>& extra_env = {}) {
-  // The child's environment: ours without launcher variables that would
-  // change what is tested, plus a private HF_HOME.
-  std::vector<std::string> env;
-  for (char** entry = environ; *entry; ++entry) {
-    std::string text(*entry);
-    std::string name = text.substr(0, text.find('='));
-    static const char* dropped[] = {"RANK",        "WORLD_SIZE",  "LOCAL_RANK",      "LOCAL_WORLD_SIZE",
-                                    "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "HF_HOME",
-                                    "XDG_CACHE_HOME", "GROUP_RANK"};
-    bool drop = name.starts_with("ACCELERATE_") || name.starts_with("FSDP_") || extra_env.count(name);
-    for (const char* d : dropped) drop = drop || name == d;
-    if (!drop) env.push_back(text);
-  }
-  env.push_back("HF_HOME=" + hf_home);
-  for (const auto& [name, value] : extra_env) env.push_back(name + "=" + value);
-
-  std::vector<std::string> argv_strings{accel_exe()};
-  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
-  std::vector<char*> argv, envp;
-  for (auto& s : argv_strings) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
+  ChildCommand command(args, hf_home, extra_env);
+  auto& argv = command.argv;
+  auto& envp = command.envp;
 
   int out_pipe[2], err_pipe[2];
   REQUIRE(::pipe2(out_pipe, O_CLOEXEC) == 0);
@@ -128,6 +138,8 @@ Running start_accel(const std::vector<std::string>& args, const std::string& hf_
   running.pid = ::fork();
   REQUIRE(running.pid >= 0);
   if (running.pid == 0) {
+    const int nothing = ::open("/dev/null", O_RDONLY);  // never the terminal the tests run from
+    ::dup2(nothing, 0);
     ::dup2(out_pipe[1], 1);
     ::dup2(err_pipe[1], 2);
     ::execve(argv[0], argv.data(), envp.data());
@@ -189,6 +201,64 @@ Result finish(Running running, std::chrono::seconds limit = std::chrono::seconds
 Result run_accel(const std::vector<std::string>& args, const TempDir& dir,
                  const std::map<std::string, std::string>& extra_env = {}) {
   return finish(start_accel(args, dir.hf_home(), extra_env));
+}
+
+/// One prompt of an interactive command and the line typed in answer.
+struct Exchange {
+  std::string prompt, answer;
+};
+
+/// Runs accel on a pseudo-terminal (its stdin, stdout and stderr, as a user's
+/// shell would give it), typing each answer once its prompt has appeared.
+/// Everything the terminal showed, the typed answers echoed, ends up in `out`.
+Result run_in_terminal(const std::vector<std::string>& args, const TempDir& dir, const std::vector<Exchange>& script,
+                       std::chrono::seconds limit = std::chrono::seconds(20)) {
+  ChildCommand command(args, dir.hf_home(), {});
+  int terminal = -1;
+  const auto started = Clock::now();
+  const pid_t pid = ::forkpty(&terminal, nullptr, nullptr, nullptr);
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::execve(command.argv[0], command.argv.data(), command.envp.data());
+    ::_exit(127);
+  }
+  Result result;
+  std::size_t next = 0, searched_from = 0;
+  bool killed = false;
+  while (true) {
+    if (Clock::now() >= started + limit) {
+      ::kill(pid, SIGKILL);
+      killed = true;
+      break;
+    }
+    if (next < script.size()) {
+      const auto at = result.out.find(script[next].prompt, searched_from);
+      if (at != std::string::npos) {
+        searched_from = at + script[next].prompt.size();
+        const std::string line = script[next].answer + "\n";
+        REQUIRE(::write(terminal, line.data(), line.size()) == static_cast<ssize_t>(line.size()));
+        ++next;
+        continue;
+      }
+    }
+    pollfd pfd{terminal, POLLIN, 0};
+    if (::poll(&pfd, 1, 100) <= 0) continue;
+    char buffer[4096];
+    const ssize_t got = ::read(terminal, buffer, sizeof buffer);
+    if (got > 0) result.out.append(buffer, static_cast<std::size_t>(got));
+    else if (got < 0 && errno == EINTR) continue;
+    else break;  // EIO: the child has closed the terminal
+  }
+  ::close(terminal);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  result.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  result.exited = WIFEXITED(status);
+  result.status = result.exited ? WEXITSTATUS(status) : WTERMSIG(status);
+  CHECK_MESSAGE(!killed, "accel did not finish within " << limit.count() << " s:\n" << result);
+  CHECK_MESSAGE(next == script.size(), "never asked: '" << (next < script.size() ? script[next].prompt : "") << "'\n"
+                                                           << result);
+  return result;
 }
 
 /// `accel launch <flags> sh -c <script>`, always bounded by --timeout.
@@ -594,6 +664,109 @@ TEST_CASE("config: writes a file that launch reads back") {
     auto t = run_accel({"config", "--config_file", dir.file("x.json"), "--timeout", "3"}, dir);
     CHECK(t.status == 2);
     CHECK(contains(t.err, "--timeout is a launch-only flag"));
+  }
+}
+
+TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the same JSON as the flags") {
+  TempDir dir;
+  SUBCASE("multi-CPU with FSDP: every answer lands in the file, and equals what the flags write") {
+    const std::string asked = dir.file("asked.json"), flagged = dir.file("flagged.json");
+    auto r = run_in_terminal({"config", "--config_file", asked}, dir,
+                             {{"Which type of machine are you using?", "multi-CPU"},
+                              {"How many different machines", ""},
+                              {"Should distributed operations be checked", "yes"},
+                              {"Do you want to use FullyShardedDataParallel", "y"},
+                              {"What should be your sharding strategy?", "1"},
+                              {"offload parameters and gradients to CPU?", "maybe"},
+                              {"Please enter yes or no.", "no"},
+                              {"How many CPU processes in total", "seven"},
+                              {"Please enter a whole number from 1 up.", "3"},
+                              {"Do you wish to use mixed precision?", "bf16"},
+                              {"How many gradient accumulation steps?", "2"}});
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "[0] No distributed training"));  // the options are listed with their numbers
+    CHECK(contains(r.out, "accel config: wrote " + asked));
+    const auto json = nlohmann::json::parse(read_file(asked));
+    CHECK(json["distributed_type"] == "FSDP");
+    CHECK(json["fsdp_config"]["fsdp_sharding_strategy"] == "SHARD_GRAD_OP");
+    CHECK(json["fsdp_config"]["fsdp_offload_params"] == false);
+    CHECK(json["num_processes"] == 3);
+    CHECK(json["use_cpu"] == true);
+    CHECK(json["debug"] == true);
+    CHECK(json["mixed_precision"] == "bf16");
+    CHECK(json["gradient_accumulation_steps"] == 2);
+    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
+                        "--fsdp_offload_params", "false", "--cpu", "--num_processes", "3", "--debug",
+                        "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2", "--num_machines", "1"},
+                       dir);
+    CHECK(w.status == 0);
+    CHECK(json == nlohmann::json::parse(read_file(flagged)));
+  }
+  SUBCASE("several machines: rank, address and port asked, out-of-range answers asked again") {
+    const std::string path = dir.file("two.json");
+    auto r = run_in_terminal({"config", "--config_file", path}, dir,
+                             {{"Which type of machine are you using?", "1"},
+                              {"How many different machines", "2"},
+                              {"What is the rank of this machine?", "2"},
+                              {"Please enter a whole number from 0 to 1.", "1"},
+                              {"IP address of the machine that will host the main process?", ""},
+                              {"Please enter a value.", "10.0.0.2"},
+                              {"What is the port", ""},
+                              {"same local network?", ""},
+                              {"Should distributed operations be checked", ""},
+                              {"FullyShardedDataParallel", ""},
+                              {"How many CPU processes in total", "3"},
+                              {"does not divide by the 2 machines", ""},
+                              {"How many CPU processes in total", "4"},
+                              {"mixed precision?", ""},
+                              {"gradient accumulation steps?", ""}});
+    INFO(r);
+    CHECK(r.status == 0);
+    const auto json = nlohmann::json::parse(read_file(path));
+    CHECK(json["distributed_type"] == "MULTI_CPU");
+    CHECK(json["num_machines"] == 2);
+    CHECK(json["machine_rank"] == 1);
+    CHECK(json["main_process_ip"] == "10.0.0.2");
+    CHECK(json["main_process_port"] == 29500);
+    CHECK(json["num_processes"] == 4);
+    CHECK(json["mixed_precision"] == "no");  // answered (with the default), so written
+    CHECK(json["debug"] == false);
+  }
+  SUBCASE("the input ending midway writes nothing") {
+    const std::string path = dir.file("never.json");
+    auto r = run_in_terminal({"config", "--config_file", path}, dir,
+                             {{"Which type of machine are you using?", "\x04"}});  // Ctrl-D: end of input
+    CHECK(r.status == 2);
+    CHECK(contains(r.out, "the input ended before the questions did; nothing was written"));
+    CHECK_FALSE(fs::exists(path));
+  }
+  SUBCASE("no flags and no terminal: refused, pointing at the flags and at accel config default") {
+    auto r = run_accel({"config", "--config_file", dir.file("x.json")}, dir);
+    CHECK(r.status == 2);
+    CHECK(contains(r.err, "no flags given and no terminal to ask on"));
+    CHECK(contains(r.err, "accel config default"));
+  }
+  SUBCASE("accel config update: an older file gets every key this version writes, its values kept") {
+    const std::string path = dir.file("old.json");
+    write_file(path, R"({"num_processes": 2, "mixed_precision": "bf16", "distributed_type": "MULTI_CPU"})");
+    auto r = run_accel({"config", "update", "--config_file", path}, dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(contains(r.out, "accel config: updated " + path));
+    const auto json = nlohmann::json::parse(read_file(path));
+    CHECK(json["num_processes"] == 2);
+    CHECK(json["mixed_precision"] == "bf16");
+    CHECK(json["compute_environment"] == "LOCAL_MACHINE");
+    CHECK(json["rdzv_backend"] == "static");
+    auto missing = run_accel({"config", "update", "--config_file", dir.file("none.json")}, dir);
+    CHECK(missing.status == 2);
+    CHECK(contains(missing.err, "there is no config to update"));
+  }
+  SUBCASE("accel config with flags but no mixed_precision leaves the key out: the program's precision decides") {
+    const std::string path = dir.file("plain.json");
+    CHECK(run_accel({"config", "--config_file", path, "--num_processes", "2"}, dir).status == 0);
+    CHECK_FALSE(nlohmann::json::parse(read_file(path)).contains("mixed_precision"));
   }
 }
 

@@ -208,7 +208,8 @@ inline LaunchSettings load_config_file(const std::filesystem::path& path) {
 }
 
 /// The JSON `accel config` writes: every top-level key Accelerate writes for
-/// a local machine, with the given values and defaults for the rest. The
+/// a local machine, with the given values and defaults for the rest
+/// (mixed_precision only when given: see below). The
 /// address and port are written only when they matter (several machines, or
 /// given), as Accelerate does, so a single-machine job keeps its free-port
 /// fallback.
@@ -222,7 +223,10 @@ inline json config_to_json(const LaunchSettings& s, const std::string& distribut
   out["machine_rank"] = s.machine_rank.value_or(0);
   if (s.num_machines.value_or(1) > 1 || s.main_process_ip) out["main_process_ip"] = s.main_process_ip.value_or("127.0.0.1");
   if (s.num_machines.value_or(1) > 1 || s.main_process_port) out["main_process_port"] = s.main_process_port.value_or(29500);
-  out["mixed_precision"] = s.mixed_precision.value_or("no");
+  // Only when given: a config's mixed_precision is a request every rank's
+  // compiled Precision must match, and a default would refuse a BF16 program
+  // for nothing (Accelerate reads a file without the key as "no").
+  if (s.mixed_precision) out["mixed_precision"] = *s.mixed_precision;
   out["num_machines"] = s.num_machines.value_or(1);
   out["num_processes"] = s.num_processes.value_or(1);
   out["rdzv_backend"] = s.rdzv_backend.value_or("static");
