@@ -144,7 +144,8 @@ def sampler(args):
         loader = DataLoader(TensorDataset(torch.arange(args.samples)), batch_size=args.batch_size,
                             shuffle=args.shuffle, drop_last=args.drop_last)
         prepared = prepare_data_loader(loader, num_processes=args.world, process_index=rank, put_on_device=False,
-                                       use_seedable_sampler=args.shuffle, data_seed=args.seed)
+                                       use_seedable_sampler=args.shuffle, data_seed=args.seed,
+                                       split_batches=args.split_batches, even_batches=not args.uneven)
         prepared.set_epoch(args.epoch)
         per_rank.append([int(i) for (batch,) in prepared for i in batch])
     print(json.dumps(per_rank))
@@ -182,6 +183,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epoch", type=int, default=0)
     p.add_argument("--drop_last", action="store_true")
+    p.add_argument("--uneven", action="store_true", help="even_batches=False")
+    p.add_argument("--split_batches", action="store_true", help="--batch_size is the global batch")
     args = parser.parse_args()
     return {"make": make, "train": train, "compare": compare, "sampler": sampler}[args.command](args)
 

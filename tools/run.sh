@@ -24,10 +24,12 @@ case "$torch" in debian|pypi|both) ;; *) echo "ACCEL_TORCH must be debian, pypi 
 # Debian packages: LibTorch (CPU) and the Gloo headers its c10d includes (the
 # PyPI wheel ships no Gloo headers either, so both builds use Debian's),
 # OpenBLAS (without it LibTorch falls back to a 20x slower reference BLAS),
-# the build tools, the test/benchmark libraries, and python3-torch as the
-# PyTorch reference of the side-by-side checks.
+# the build tools, the test/benchmark libraries, python3-torch as the
+# PyTorch reference of the side-by-side checks, and stb (the image decoder of
+# the vision example).
 packages=(g++ meson ninja-build pkg-config ccache cmake libtorch-dev libgloo-dev libopenblas0-pthread
-          nlohmann-json3-dev doctest-dev libbenchmark-dev libgoogle-glog-dev python3 python3-torch python3-venv)
+          nlohmann-json3-dev doctest-dev libbenchmark-dev libgoogle-glog-dev python3 python3-torch python3-venv
+          libstb-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -332,8 +332,10 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   at::Tensor gather_for_metrics(const at::Tensor& tensor) {
     auto& group = data_group();
     if (!group.distributed()) return tensor;
-    auto parts = group.all_gather(tensor, "gather_for_metrics");
     const auto& cursor = *cursor_;
+    if (cursor.sampler != nullptr && !cursor.sampler->even())  // no padding to drop; batches may differ in size
+      return at::cat(comm::all_gather_rows(group, tensor, "gather_for_metrics"), 0);
+    auto parts = group.all_gather(tensor, "gather_for_metrics");
     if (cursor.sampler == nullptr || tensor.size(0) != cursor.count) return at::cat(parts, 0);
     for (int r = 0; r < group.size(); ++r)
       parts[r] = parts[r].narrow(0, 0, cursor.sampler->real_in(r, cursor.first, cursor.count));

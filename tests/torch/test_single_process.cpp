@@ -302,24 +302,33 @@ TEST_SUITE("single_process") {
 // build (tools/run.sh with ACCEL_TORCH=pypi) has it; elsewhere this suite
 // reports SKIP (exit 77) and says why.
 TEST_SUITE("accelerate") {
-  TEST_CASE("the loader's default order is Accelerate's, index for index") {
+  TEST_CASE("the loader's default order is Accelerate's, index for index, with even_batches off and split_batches too") {
     const std::string probe = test_python() + " -c 'import accelerate' 2>/dev/null";
     if (std::system(probe.c_str()) != 0) {
       std::printf("SKIP: %s has no accelerate (bash tools/run.sh test with ACCEL_TORCH=pypi installs it)\n",
                   test_python().c_str());
       std::exit(77);
     }
-    struct Case { std::int64_t samples; int world; std::int64_t batch; bool shuffle; std::uint64_t seed; std::int64_t epoch; bool drop_last; };
-    // Even and uneven splits, fewer samples than one round, shuffled epochs, drop_last.
+    struct Case {
+      std::int64_t samples; int world; std::int64_t batch; bool shuffle; std::uint64_t seed; std::int64_t epoch;
+      bool drop_last; bool uneven = false; bool split = false;
+    };
+    // Even and uneven splits, fewer samples than one round, shuffled epochs, drop_last; even_batches off
+    // (Accelerate's even_batches=False); split_batches (`batch` is then the global batch).
     const Case cases[] = {{11, 3, 2, false, 0, 0, false}, {11, 2, 3, true, 5, 2, false}, {5, 4, 3, false, 0, 0, false},
-                          {40, 2, 4, true, 7, 1, false},   {23, 3, 2, true, 1, 0, true},  {16, 2, 8, false, 0, 0, false}};
+                          {40, 2, 4, true, 7, 1, false},   {23, 3, 2, true, 1, 0, true},  {16, 2, 8, false, 0, 0, false},
+                          {11, 3, 2, false, 0, 0, false, true}, {9, 3, 2, true, 4, 1, false, true},
+                          {5, 4, 3, false, 0, 0, false, true},  {16, 2, 8, true, 3, 0, false, false, true},
+                          {11, 2, 4, false, 0, 0, false, false, true}, {30, 3, 6, true, 2, 1, false, false, true}};
     for (const auto& c : cases) {
       CAPTURE(c.samples); CAPTURE(c.world); CAPTURE(c.batch); CAPTURE(c.shuffle); CAPTURE(c.drop_last);
+      CAPTURE(c.uneven); CAPTURE(c.split);
       const std::string command = test_python() + " " + ACCEL_SOURCE_ROOT "/bench/accelerate_parity.py sampler" +
                                   " --samples " + std::to_string(c.samples) + " --world " + std::to_string(c.world) +
                                   " --batch_size " + std::to_string(c.batch) + (c.shuffle ? " --shuffle" : "") +
                                   " --seed " + std::to_string(c.seed) + " --epoch " + std::to_string(c.epoch) +
-                                  (c.drop_last ? " --drop_last" : "") + " 2>/dev/null";
+                                  (c.drop_last ? " --drop_last" : "") + (c.uneven ? " --uneven" : "") +
+                                  (c.split ? " --split_batches" : "") + " 2>/dev/null";
       FILE* pipe = ::popen(command.c_str(), "r");
       REQUIRE(pipe != nullptr);
       std::string text;
@@ -330,9 +339,12 @@ TEST_SUITE("accelerate") {
       REQUIRE(expected.size() == static_cast<std::size_t>(c.world));
       for (int rank = 0; rank < c.world; ++rank) {
         CAPTURE(rank);
+        // split_batches is the loader's per-rank share of the global batch (data::per_rank_options).
+        const auto options = accel::data::per_rank_options({.batch_size = c.batch, .split_batches = c.split}, c.world);
         accel::data::DistributedSampler sampler(c.samples, c.world, rank,
                                                 {.shuffle = c.shuffle, .seed = c.seed, .drop_last = c.drop_last,
-                                                 .sharding = accel::data::Sharding::batches, .batch_size = c.batch});
+                                                 .sharding = accel::data::Sharding::batches,
+                                                 .batch_size = options.batch_size, .even_batches = !c.uneven});
         sampler.set_epoch(c.epoch);
         const auto idx = sampler.indices();
         std::vector<std::int64_t> got(idx.data_ptr<std::int64_t>(), idx.data_ptr<std::int64_t>() + idx.numel());

@@ -10,6 +10,8 @@
 
 #include <map>
 
+#include <accel/profiling/profiler.hpp>
+
 #include "doctest_torch.hpp"
 
 using namespace accel::testing;
@@ -30,7 +32,7 @@ std::vector<std::string> file_lines(const std::filesystem::path& file) {
 }  // namespace
 
 TEST_SUITE("toolbox") {
-  TEST_CASE("gather_object, pad_across_processes and reduce(max) on 3 ranks") {
+  TEST_CASE("gather_object, pad_across_processes, reduce(max) and gathers of every dtype on 3 ranks") {
     spawn_each({3}, [](int world, int rank) {
       accel::Trainer<accel::DDP> trainer;
       // Objects of different sizes per rank, the empty string included.
@@ -56,6 +58,15 @@ TEST_SUITE("toolbox") {
       const at::Tensor wide = trainer.pad_across_processes(at::ones({2, rank + 1}), -1);
       require(wide.sizes() == at::IntArrayRef({2, 3}) && wide.sum().item<double>() == 2.0 * (rank + 1),
               "along the last dimension, zeros by default");
+
+      // gather takes the dtypes Gloo's all-gather refuses (bool and int16; bf16 on 1.13), exactly.
+      const at::Tensor flags = at::tensor({rank == 1 ? 1 : 0, 1}).to(at::kBool);  // 1.13 has no at::tensor of bools
+      require(trainer.gather(flags).equal(at::tensor({0, 1, 1, 1, 0, 1}).to(at::kBool)), "bool gathered");
+      require(trainer.gather_for_metrics(flags).scalar_type() == at::kBool, "bool stays bool");
+      const at::Tensor shorts = at::full({1}, 1000 + rank, at::TensorOptions().dtype(at::kShort));
+      require(trainer.gather(shorts).equal(at::tensor({1000, 1001, 1002}).to(at::kShort)), "int16 gathered");
+      const at::Tensor halves = at::full({1}, 0.5 + rank, at::TensorOptions().dtype(at::kBFloat16));
+      require(trainer.gather(halves).equal(at::tensor({0.5, 1.5, 2.5}).to(at::kBFloat16)), "bf16 gathered");
 
       const at::Tensor values = at::tensor({static_cast<float>(rank), -static_cast<float>(rank)});
       require(trainer.reduce(values, "max").equal(at::tensor({2.0f, 0.0f})), "element-wise maximum");
@@ -140,6 +151,63 @@ TEST_SUITE("toolbox") {
     });
   }
 
+  TEST_CASE("even_batches off: nothing repeated, as many batches on every rank (the short ones smaller or empty), "
+            "gather_for_metrics counts each sample once") {
+    spawn_each({3}, [](int, int rank) {
+      accel::Trainer<accel::DDP> trainer;
+      for (auto sharding : {accel::Sharding::batches, accel::Sharding::samples}) {
+        // 9 samples in batches of 2 over 3 ranks: Accelerate's order deals [0,1] [2,3] [4,5] [6,7] [8]:
+        // ranks read 4, 3 and 2 samples; every rank runs 2 batches, rank 2's second one empty.
+        auto loader = trainer.prepare(numbered(9), {.batch_size = 2, .shuffle = true, .seed = 1, .sharding = sharding,
+                                                    .even_batches = false});
+        require(loader.size() == 2, "as many batches on every rank");
+        std::vector<at::Tensor> seen;
+        std::int64_t mine = 0;
+        for (auto batch : loader) {
+          mine += batch.target.size(0);
+          seen.push_back(trainer.gather_for_metrics(batch.target));
+        }
+        const std::int64_t expected = sharding == accel::Sharding::batches ? std::vector<std::int64_t>{4, 3, 2}[rank]
+                                                                            : std::vector<std::int64_t>{3, 3, 3}[rank];
+        require(mine == expected, "rank " + std::to_string(rank) + " read " + std::to_string(mine));
+        const auto all = std::get<0>(at::cat(seen).sort());
+        require(all.equal(at::arange(9)), "each of the 9 samples exactly once");
+      }
+      // The companion: with even_batches (the default) the tail is padded and gather keeps the repeats.
+      auto even = trainer.prepare(numbered(9), {.batch_size = 2, .shuffle = true, .seed = 1});
+      std::int64_t gathered = 0;
+      for (auto batch : even) gathered += trainer.gather(batch.target).size(0);
+      require(gathered == 12, "even batches: 12 rows gathered for 9 samples");
+    });
+  }
+
+  TEST_CASE("a checkpoint at an epoch's end resumes at the next epoch, and an evaluation loader is read whole again") {
+    const auto dir = std::filesystem::path(temp_path("epoch_end"));
+    RemoveOnExit cleanup({dir});
+    auto run = [&](bool resume) {
+      accel::Trainer<> trainer(accel::TrainerOptions{.project_dir = dir});
+      auto net = tiny_mlp(0, 1, 4, 6);
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+      trainer.prepare(net, opt);
+      auto train = trainer.prepare(numbered(6), {.batch_size = 2, .shuffle = true});
+      auto eval = trainer.prepare(numbered(4), {.batch_size = 2});
+      if (resume) REQUIRE(trainer.load_latest_state().has_value());
+      std::vector<std::int64_t> evaluated;
+      for (std::int64_t epoch = train.epoch(); epoch < 2; ++epoch) {
+        train.set_epoch(epoch);
+        for (auto batch : train) trainer.step([&] { return loss_of(net, batch.data, batch.target); });
+        std::int64_t seen = 0;
+        for (auto batch : eval) seen += batch.target.size(0);
+        evaluated.push_back(seen);
+        if (!resume && epoch == 0) trainer.save_state();  // after epoch 0 and its evaluation
+      }
+      return std::make_pair(train.epoch(), evaluated);
+    };
+    CHECK(run(false) == std::make_pair(std::int64_t{1}, std::vector<std::int64_t>{4, 4}));
+    // Resumed: epoch 1 only (not epoch 0 again with every batch skipped), its evaluation over all 4 samples.
+    CHECK(run(true) == std::make_pair(std::int64_t{1}, std::vector<std::int64_t>{4}));
+  }
+
   TEST_CASE("sync_with_dataloader: the epoch's last batch syncs (and restarts the cycle) only when on") {
     auto syncs = [](bool with_dataloader) {
       accel::Trainer<> trainer(accel::TrainerOptions{.gradient_accumulation_steps = 4,
@@ -201,6 +269,53 @@ TEST_SUITE("toolbox") {
     CHECK(nlohmann::json::parse(read_file((dir / "run" / "config.json").string()))["rank"] == 0);
     CHECK_THROWS_WITH_AS(accel::Trainer<>(accel::TrainerOptions{.log_with = {"wandb"}}), doctest::Contains("'wandb'"),
                          accel::ConfigurationError);
+  }
+
+  TEST_CASE("profiler: the schedule's active steps as one Chrome trace per rank, with LibTorch's operators and accel's ranges") {
+    const auto dir = std::filesystem::path(temp_path("profiles"));
+    RemoveOnExit cleanup({dir});
+    spawn_each({2}, [&](int, int rank) {
+      accel::Trainer<accel::DDP> trainer;
+      auto net = tiny_mlp(0);
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+      trainer.prepare(net, opt);
+      // Steps 0: wait, 1: warmup, 2-3: active (cycle 0); 4: wait, 5: warmup, 6-7: active (cycle 1); then done.
+      accel::profiling::Profiler profiler(trainer, {.wait = 1, .warmup = 1, .active = 2, .repeat = 2,
+                                                    .output_trace_dir = dir});
+      for (int step = 0; step < 10; ++step) {
+        auto batch = global_batch(step, 4);
+        trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+        profiler.step();
+        require(profiler.traces().size() == (step >= 7 ? 2u : step >= 3 ? 1u : 0u),
+                "a trace is written as its active window ends (step " + std::to_string(step) + ")");
+      }
+      require(profiler.traces().back() == dir / ("trace_rank" + std::to_string(rank) + "_cycle1.json"), "named by rank and cycle");
+    });
+    for (int rank = 0; rank < 2; ++rank) {
+      CAPTURE(rank);
+      const auto trace = nlohmann::json::parse(read_file((dir / ("trace_rank" + std::to_string(rank) + "_cycle0.json")).string()));
+      REQUIRE(trace["traceEvents"].is_array());
+      std::map<std::string, int> names;
+      int steps_of_addmm = 0;
+      for (const auto& event : trace["traceEvents"]) {
+        REQUIRE(event["pid"] == rank);  // one process per rank, so Perfetto shows them side by side
+        const std::string name = event["name"];
+        ++names[name.substr(0, name.find(' '))];
+        if (name == "aten::addmm") ++steps_of_addmm;
+        if (event["ph"] == "X") CHECK(event["dur"].get<double>() >= 0);
+      }
+      INFO(nlohmann::json(names).dump());
+      CHECK(names["process_name"] == 1);
+      // 2 active steps, each: the MLP's 3 Linear layers forward (addmm) and the DDP bucket all-reduce and its wait.
+      CHECK(steps_of_addmm == 6);
+      CHECK(names["accel::all_reduce"] >= 2);
+      CHECK(names["accel::wait"] >= 2);
+      bool bucket_wait = false;
+      for (const auto& event : trace["traceEvents"])
+        bucket_wait = bucket_wait || event["name"].get<std::string>().starts_with("accel::wait all-reduce of DDP gradient bucket");
+      CHECK(bucket_wait);
+    }
+    CHECK_FALSE(std::filesystem::exists(dir / "trace_rank0_cycle2.json"));  // repeat = 2 cycles only
   }
 
   TEST_CASE("the launcher's mixed_precision: absent, the compiled precision runs; asked for, a mismatch says what to change") {

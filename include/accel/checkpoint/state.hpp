@@ -305,7 +305,13 @@ inline nlohmann::json describe(TrainerView& t, const strategy::ModelPart& part,
   for (const auto& weak : t.loaders) {
     auto position = weak.lock();
     if (!position) continue;
-    m["loaders"].push_back({{"epoch", position->epoch}, {"next_batch", position->next_batch},
+    // An epoch read to its end is saved as the next one's start, so that a
+    // resumed loop begins there (and a loader read again each epoch without
+    // set_epoch, an evaluation loader, is read whole) instead of skipping a
+    // whole epoch's batches.
+    const bool finished = position->batches > 0 && position->next_batch >= position->batches;
+    m["loaders"].push_back({{"epoch", position->epoch + (finished ? 1 : 0)},
+                            {"next_batch", finished ? 0 : position->next_batch},
                             {"batch_size", position->batch_size}});
   }
   return m;

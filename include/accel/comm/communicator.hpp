@@ -32,6 +32,7 @@
 #include "accel/comm/liveness.hpp"
 #include "accel/comm/traffic.hpp"
 #include "accel/compat/torch_compat.hpp"
+#include "accel/profiling/range.hpp"
 
 namespace accel::comm {
 
@@ -76,6 +77,7 @@ class Pending {
 
   void wait() {
     if (!work_) return;
+    const profiling::Range range("accel::wait", context_.what);  // time blocked, named, in a profiler trace
     auto work = std::move(work_);
     const auto start = std::chrono::steady_clock::now();
     try {
@@ -104,6 +106,8 @@ class Pending {
 
 /// A process group with accel's error reporting. Default-constructed it is
 /// the one-process "group", on which every collective is the identity.
+/// Each collective, and each wait for one, is a named range in a profiler
+/// trace (profiling/profiler.hpp).
 ///
 /// The connection is made once per process and shared by every Communicator
 /// (Accelerate's PartialState, torch.distributed's default group): a second
@@ -190,6 +194,7 @@ class Communicator {
 
   /// Sum across ranks, in place, asynchronously.
   Pending all_reduce_async(at::Tensor& tensor, std::string what) {
+    const profiling::Range range("accel::all_reduce", what);
     if (!distributed()) return {};
     count(Collective::all_reduce, bytes_of(tensor), tensor, what);
     all_reduce_bytes_ += bytes_of(tensor);
@@ -207,6 +212,7 @@ class Communicator {
 
   /// Element-wise maximum across ranks, in place.
   void all_reduce_max(at::Tensor& tensor, const std::string& what) {
+    const profiling::Range range("accel::all_reduce_max", what);
     if (!distributed()) return;
     if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { all_reduce_max(t, what); });
     count(Collective::all_reduce, bytes_of(tensor), tensor, what + " (maximum)");
@@ -218,6 +224,7 @@ class Communicator {
   }
 
   void broadcast(at::Tensor& tensor, int root, const std::string& what) {
+    const profiling::Range range("accel::broadcast", what);
     if (!distributed()) return;
     if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { broadcast(t, root, what); });
     count(Collective::broadcast, bytes_of(tensor), tensor, what + " (from rank " + std::to_string(root) + ")");
@@ -230,12 +237,19 @@ class Communicator {
 
   /// Every rank's tensor (all the same shape), in rank order.
   std::vector<at::Tensor> all_gather(const at::Tensor& tensor, const std::string& what) {
+    const profiling::Range range("accel::all_gather", what);
     if (!distributed()) return {tensor};
     if (staged(tensor)) {
       auto parts = all_gather(tensor.to(at::Device(at::kCUDA)), what);
       for (auto& part : parts) part = part.to(at::kCPU);
       return parts;
     }
+    if (backend_kind() == BackendKind::gloo)
+      if (const auto carrier = compat::gloo_all_gather_carrier(tensor.scalar_type())) {
+        auto parts = all_gather(tensor.to(*carrier), what);
+        for (auto& part : parts) part = part.to(tensor.scalar_type());
+        return parts;
+      }
     count(Collective::all_gather, bytes_of(tensor) * static_cast<std::uint64_t>(size_), tensor, what);
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(tensor));
@@ -249,6 +263,7 @@ class Communicator {
   /// Point-to-point send of a contiguous tensor to rank `dst`. c10d's send
   /// takes no options, so the timeout is applied when the result is waited on.
   Pending send_async(const at::Tensor& tensor, int dst, int tag, std::string what) {
+    const profiling::Range range("accel::send", what);
     count(Collective::send, bytes_of(tensor), tensor, what);
     std::vector<at::Tensor> tensors{tensor};
     auto work = backend().send(tensors, dst, tag);
@@ -258,6 +273,7 @@ class Communicator {
 
   /// Point-to-point receive into `tensor` (contiguous, of the sent size) from rank `src`.
   Pending recv_async(at::Tensor& tensor, int src, int tag, std::string what) {
+    const profiling::Range range("accel::recv", what);
     count(Collective::recv, bytes_of(tensor), tensor, what);
     std::vector<at::Tensor> tensors{tensor};
     return pending(backend().recv(tensors, src, tag), std::move(what), timeout_, true);
@@ -268,6 +284,7 @@ class Communicator {
   /// which passes `counted_as` reduce_scatter so traffic says what it is).
   Pending all_to_all_async(at::Tensor& output, at::Tensor& input, std::string what,
                            Collective counted_as = Collective::all_to_all) {
+    const profiling::Range range("accel::all_to_all", what);
     count(counted_as, bytes_of(input), input, what);
     std::vector<std::int64_t> equal_splits;
     c10d::AllToAllOptions options;
@@ -277,6 +294,7 @@ class Communicator {
 
   /// List all-gather into caller-owned chunks (one per rank, same shape).
   Pending all_gather_into_async(std::vector<at::Tensor>& chunks, at::Tensor& input, std::string what) {
+    const profiling::Range range("accel::all_gather", what);
     count(Collective::all_gather, bytes_of(input) * chunks.size(), input, what);
     std::vector<std::vector<at::Tensor>> outputs{chunks};
     std::vector<at::Tensor> inputs{input};
@@ -290,6 +308,7 @@ class Communicator {
   /// in LibTorch 1.13 does not (see comm/collectives.hpp). 1.13 and 2.x both
   /// call it _reduce_scatter_base (Python's reduce_scatter_tensor).
   Pending reduce_scatter_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
+    const profiling::Range range("accel::reduce_scatter", what);
     count(Collective::reduce_scatter, bytes_of(input), input, what);
     c10d::ReduceScatterOptions options;  // reduceOp defaults to SUM (a struct in 2.x, an enum in 1.13)
     options.timeout = timeout_;
@@ -300,6 +319,7 @@ class Communicator {
   /// filled in rank order. NCCL has it; Gloo in LibTorch 1.13 does not. Named
   /// _allgather_base in 1.13 and 2.x (Python's all_gather_into_tensor).
   Pending all_gather_base_async(at::Tensor& output, at::Tensor& input, std::string what) {
+    const profiling::Range range("accel::all_gather", what);
     count(Collective::all_gather, bytes_of(output), input, what);
     c10d::AllgatherOptions options;
     options.timeout = timeout_;
@@ -319,6 +339,7 @@ class Communicator {
   std::uint64_t p2p_bytes_sent() const { return p2p_bytes_sent_; }
 
   void barrier(const std::string& what = "barrier (wait_for_everyone)") {
+    const profiling::Range range("accel::barrier", what);
     if (!distributed()) return;
     count(Collective::barrier, 0, at::Tensor(), what);
     c10d::BarrierOptions options;

@@ -51,6 +51,22 @@ std::vector<T> gather_object(Communicator& comm, const T& object) {
   return out;
 }
 
+/// Every rank's `mine`, whose first dimensions may differ (the rest must
+/// agree), in rank order: gather_for_metrics over ragged batches.
+inline std::vector<at::Tensor> all_gather_rows(Communicator& comm, const at::Tensor& mine, const std::string& what) {
+  if (mine.dim() == 0) throw std::invalid_argument("accel: " + what + ": a 0-dimensional tensor has no rows");
+  std::vector<std::int64_t> row_shape(mine.sizes().begin() + 1, mine.sizes().end());
+  std::int64_t row_numel = 1;
+  for (auto d : row_shape) row_numel *= d;
+  std::vector<at::Tensor> parts = all_gather_ragged(comm, mine.contiguous().view({-1}), what);
+  for (auto& part : parts) {
+    std::vector<std::int64_t> shape{row_numel == 0 ? 0 : part.numel() / row_numel};
+    shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+    part = part.view(shape);
+  }
+  return parts;
+}
+
 /// `tensor` padded with `pad_value` along `dim` to the largest size any rank
 /// has there (at the end, or at the start with `pad_first`), so that the
 /// ranks' tensors can be gathered. Every other dimension must agree.

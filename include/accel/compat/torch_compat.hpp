@@ -5,6 +5,7 @@
 // library tests TORCH_VERSION_*.
 
 #include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -14,6 +15,7 @@
 #endif
 
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -112,6 +114,29 @@ auto optimizer_state_key(const Optimizer& optimizer, const at::Tensor& parameter
   } else {
     return Key(parameter.unsafeGetTensorImpl());
   }
+}
+
+/// The dtype a Gloo list all-gather carries `dtype` in where Gloo refuses it
+/// as it is (measured: bool and int16 in 1.13 and 2.15, bf16 in 1.13, with
+/// "Invalid scalar type"); nullopt where Gloo takes it. Each carrier holds
+/// every value exactly.
+inline std::optional<at::ScalarType> gloo_all_gather_carrier(at::ScalarType dtype) {
+  if (dtype == at::kBool) return at::kByte;
+  if (dtype == at::kShort) return at::kInt;
+  if (dtype == at::kBFloat16 && !ACCEL_TORCH_AT_LEAST(2, 0)) return at::kFloat;
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------- profiler
+/// Opens a profiler range under a name accel built. 1.13 takes the name as a
+/// std::string and keeps it; 2.x takes a std::string_view, so the caller
+/// keeps `name` alive for as long as the range (profiling::Range does).
+inline void begin_record_function(at::RecordFunction& guard, const std::string& name) {
+#if ACCEL_TORCH_AT_LEAST(2, 0)
+  guard.before(std::string_view(name));
+#else
+  guard.before(std::string(name));
+#endif
 }
 
 // ---------------------------------------------------------------- CUDA memory

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <memory>
@@ -32,6 +33,12 @@ struct LoaderOptions {
   /// step), so the global batch stays the same whatever the number of
   /// processes. batch_size must divide by the number of ranks.
   bool split_batches = false;
+  /// Accelerate's even_batches: pad the epoch's tail from its head so every
+  /// rank reads as many full batches (the default). Off, nothing is repeated:
+  /// the last ranks' final batch is smaller or empty (0 rows: the dataset's
+  /// get must take no indices), and gather_for_metrics gathers the ragged
+  /// batches. For evaluation: an empty batch has no loss to train on.
+  bool even_batches = true;
 };
 
 /// The options one rank's loader runs with: under split_batches, its share
@@ -55,7 +62,7 @@ struct LoaderCursor {
   std::int64_t epoch = 0;
   std::int64_t batch = -1;     ///< index within the epoch
   std::int64_t first = 0;      ///< first local position of the batch
-  std::int64_t count = 0;      ///< samples in the batch on every rank
+  std::int64_t count = 0;      ///< samples in the batch (on every rank, unless even_batches is off)
   bool last_in_epoch = false;  ///< gradient accumulation syncs at the end of an epoch
 };
 
@@ -66,6 +73,7 @@ struct LoaderPosition {
   std::int64_t next_batch = 0;   ///< batches served in `epoch` so far
   std::int64_t skip = 0;         ///< batches to skip on the next pass over `epoch` (set by load_state)
   std::int64_t batch_size = 1;
+  std::int64_t batches = 0;      ///< per epoch on this rank: a position at the end is the next epoch's start
 };
 
 template <batched_dataset Dataset>
@@ -81,12 +89,14 @@ class DataLoader {
                            .seed = options_.seed,
                            .drop_last = options_.drop_last && options_.sharding == Sharding::batches,
                            .sharding = options_.sharding,
-                           .batch_size = options_.batch_size})),
+                           .batch_size = options_.batch_size,
+                           .even_batches = options_.even_batches})),
         device_(device),
         cursor_(std::move(cursor)),
         position_(std::move(position)) {
     if (options_.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
     position_->batch_size = options_.batch_size;
+    position_->batches = size();
   }
 
   /// Reshuffle for `epoch` (same permutation on every rank). After
@@ -100,9 +110,9 @@ class DataLoader {
   }
   std::int64_t epoch() const { return position_->epoch; }
 
-  /// Batches per epoch on this rank (the same on every rank).
+  /// Batches per epoch on this rank (the same on every rank unless even_batches is off).
   std::int64_t size() const {
-    const auto n = sampler_->per_rank();
+    const auto n = sampler_->most_per_rank();  // without even_batches, short ranks end on smaller or empty batches
     return options_.drop_last ? n / options_.batch_size : (n + options_.batch_size - 1) / options_.batch_size;
   }
   const DistributedSampler& sampler() const { return *sampler_; }
@@ -138,7 +148,7 @@ class DataLoader {
  private:
   Batch load(const at::Tensor& indices, std::int64_t batch) {
     const std::int64_t first = batch * options_.batch_size;
-    const std::int64_t count = std::min(options_.batch_size, indices.size(0) - first);
+    const std::int64_t count = std::clamp<std::int64_t>(indices.size(0) - first, 0, options_.batch_size);
     *cursor_ = LoaderCursor{sampler_.get(), sampler_->epoch(), batch, first, count, batch + 1 == size()};
     position_->next_batch = batch + 1;
     Batch b = dataset_.get(indices.slice(0, first, first + count));

@@ -9,14 +9,23 @@
 //   takes positions r, r+n, ... and batches its own share.
 // Either way one step's global batch is the same set of samples; the split
 // across ranks differs (which matters where partial sums round, as in bf16).
+// With even_batches off (Accelerate's DataLoaderConfiguration(even_batches=
+// False)) nothing is padded: the order is dealt out the same way and the last
+// ranks simply get less. The loader still runs as many batches on every rank
+// (the most any rank has), the short ranks' last one smaller or empty, so
+// that collectives such as gather_for_metrics pair up. Meant for evaluation:
+// an empty batch has no mean loss to train on.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/randperm.h>
+#include <ATen/ops/tensor.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 #include <stdexcept>
 
 namespace accel::data {
@@ -33,6 +42,7 @@ struct SamplerOptions {
   bool drop_last = false;  ///< drop the tail instead of padding with repeats
   Sharding sharding = Sharding::samples;
   std::int64_t batch_size = 1;  ///< the unit Sharding::batches deals out
+  bool even_batches = true;     ///< pad the tail so every rank reads as many samples
 };
 
 class DistributedSampler {
@@ -50,20 +60,27 @@ class DistributedSampler {
   std::int64_t epoch() const { return epoch_; }
   std::int64_t dataset_size() const { return size_; }
 
-  /// Samples per rank (after padding or dropping).
+  /// Whether every rank reads as many samples (padded or dropped to even them out).
+  bool even() const { return options_.even_batches || options_.drop_last || replicas_ == 1; }
+
+  /// Samples this rank reads (after padding or dropping).
   std::int64_t per_rank() const {
     if (replicas_ == 1) return options_.drop_last ? size_ / unit() * unit() : size_;  // nothing to even out
+    if (!even()) return uneven_positions(rank_).size(0);
     const std::int64_t round = replicas_ * unit();  // samples dealt to all ranks in one turn
     const std::int64_t rounds = options_.drop_last ? size_ / round : (size_ + round - 1) / round;
     return rounds * unit();
   }
   std::int64_t padded_size() const { return per_rank() * replicas_; }
+  /// The most samples any rank reads (rank 0's): per_rank() when even.
+  std::int64_t most_per_rank() const { return even() ? per_rank() : uneven_positions(0).size(0); }
   Sharding sharding() const { return options_.sharding; }
 
   /// This rank's indices for the current epoch, int64, in reading order.
   at::Tensor indices() const {
     const at::Tensor order = global_order();
     if (replicas_ == 1) return order;
+    if (!even()) return order.index_select(0, uneven_positions(rank_));
     if (options_.sharding == Sharding::samples) return order.slice(0, rank_, padded_size(), replicas_);
     // (rounds, ranks, batch): rank r's batches are column r
     return order.view({-1, replicas_, unit()}).select(1, rank_).reshape({-1});
@@ -82,6 +99,16 @@ class DistributedSampler {
   // The number of consecutive samples of the order one rank takes at a time.
   std::int64_t unit() const { return options_.sharding == Sharding::batches ? options_.batch_size : 1; }
 
+  // Without padding: this rank's positions in the epoch order, whole units
+  // dealt in turn as when padded, the tail unit possibly short.
+  at::Tensor uneven_positions(int rank) const {
+    const std::int64_t u = unit();
+    std::vector<std::int64_t> positions;
+    for (std::int64_t start = static_cast<std::int64_t>(rank) * u; start < size_; start += replicas_ * u)
+      for (std::int64_t p = start; p < std::min(start + u, size_); ++p) positions.push_back(p);
+    return at::tensor(positions, at::TensorOptions().dtype(at::kLong));
+  }
+
   // Where `rank`'s local position `local` sits in the padded epoch order.
   std::int64_t global_position(int rank, std::int64_t local) const {
     const std::int64_t u = unit();
@@ -96,6 +123,7 @@ class DistributedSampler {
     } else {
       order = at::arange(size_, at::TensorOptions().dtype(at::kLong));
     }
+    if (!even()) return order;  // dealt out as it is (uneven_positions)
     const std::int64_t total = padded_size();
     if (total <= size_) return order.slice(0, 0, total);
     // Pad by repeating the head, as many times as needed (tiny datasets).
