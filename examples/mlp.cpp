@@ -29,6 +29,8 @@
 
 #include <accel/accel.hpp>
 
+#include "flags.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -59,19 +61,10 @@ torch::nn::Sequential make_mlp(std::int64_t features, std::int64_t hidden, std::
                                torch::nn::Linear(hidden, classes));
 }
 
-std::string flag_text(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (argv[i] == "--" + name) return argv[i + 1];
-  return fallback;
-}
-
-std::int64_t flag(int argc, char** argv, const std::string& name, std::int64_t fallback) {
-  return std::stoll(flag_text(argc, argv, name, std::to_string(fallback)));
-}
-
 }  // namespace
 
 int train(int argc, char** argv) {
+  using example::flag;
   const std::int64_t epochs = flag(argc, argv, "epochs", 3);
   const std::int64_t batch_size = flag(argc, argv, "batch_size", 64);  // per process
   const std::int64_t features = 64, classes = 10;
@@ -85,7 +78,7 @@ int train(int argc, char** argv) {
   //    ranks that are gone, instead of hanging.
   accel::Trainer<accel::DDP> trainer(
       accel::TrainerOptions{.timeout = std::chrono::seconds(flag(argc, argv, "collective_timeout", 300)),
-                            .project_dir = flag_text(argc, argv, "project_dir", "."),
+                            .project_dir = flag(argc, argv, "project_dir", "."),
                             .total_limit = 2});
   trainer.set_seed(42);  // same initial weights everywhere (DDP broadcasts rank 0's anyway)
 
@@ -147,7 +140,7 @@ int train(int argc, char** argv) {
     trainer.print("epoch", epoch, "accuracy", static_cast<double>(correct) / seen, "on", seen,
                   "test samples; global samples/s", static_cast<long long>(samples_per_s));
   }
-  if (auto path = flag_text(argc, argv, "save_weights", ""); !path.empty() && trainer.is_main_process())
+  if (auto path = flag(argc, argv, "save_weights", ""); !path.empty() && trainer.is_main_process())
     torch::save(model, path);
   return EXIT_SUCCESS;
 }
