@@ -383,8 +383,11 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   auto find_executable_batch_size(std::int64_t starting_batch_size, Attempt&& attempt,
                                   const std::function<std::int64_t(std::int64_t)>& reduce_batch_size =
                                       device::reduce_batch_size) {
-    return device::find_executable_batch_size(comm_, starting_batch_size, std::forward<Attempt>(attempt),
-                                              compat::cuda_empty_cache, reduce_batch_size);
+    const auto release = [] {  // the caching allocator's freed blocks back to the driver (torch.cuda.empty_cache)
+      if constexpr (std::is_same_v<Device, CUDA>) compat::cuda_empty_cache();
+    };
+    return device::find_executable_batch_size(comm_, starting_batch_size, std::forward<Attempt>(attempt), release,
+                                              reduce_batch_size);
   }
 
   void wait_for_everyone() { comm_.barrier(); }

@@ -82,6 +82,27 @@ TEST_SUITE("faults") {
     }
   }
 
+  TEST_CASE("a collective the backend refuses at once (int16 on Gloo) is said to be refused, not blamed on a rank that "
+            "did not come") {
+    spawn_each({2}, [](int, int rank) {
+      accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.timeout = 30s});
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        trainer.reduce(at::ones({3}, at::TensorOptions().dtype(at::kShort)));
+      } catch (const accel::comm::CollectiveError& e) {
+        const std::string what = e.what();
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        require(what.find("rank " + std::to_string(rank) + ": reduce(sum)") != std::string::npos, what);
+        require(what.find("failed at once, not at its timeout: the backend refused it") != std::string::npos, what);
+        require(what.find("did not reach this collective") == std::string::npos, what);
+        require(what.find("Invalid scalar type") != std::string::npos, what);  // Gloo's own reason, kept
+        require(seconds < 15, "within half the 30 s timeout: " + std::to_string(seconds) + " s");
+        return;
+      }
+      require(false, "Gloo reduced an int16 tensor: pick another dtype it refuses for this test");
+    });
+  }
+
   TEST_CASE("connecting ignores SIGPIPE (a write to a dead peer fails instead of killing the rank), unless the "
             "program handles it") {
     accel::spawn(

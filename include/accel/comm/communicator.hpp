@@ -64,6 +64,7 @@ class Pending {
     bool point_to_point = false;  ///< a send or receive, issued after collective #sequence
     std::shared_ptr<Liveness> liveness{};
     std::uint64_t record = 0;  ///< its entry in the flight recorder (NOTE [Flight recorder])
+    std::chrono::milliseconds timeout{0};  ///< the communicator's collective timeout
   };
 
   Pending() = default;
@@ -89,7 +90,8 @@ class Pending {
       FlightRecorder::instance().finish(context_.record, false);
       FlightRecorder::instance().dump(context_.rank);
       if (context_.liveness) context_.liveness->mark_failed();
-      const std::string gone = context_.liveness ? context_.liveness->diagnose() : "";
+      const bool at_once = context_.timeout.count() > 0 && std::chrono::steady_clock::now() - start < context_.timeout / 2;
+      const std::string gone = context_.liveness ? context_.liveness->diagnose(at_once) : "";
       throw CollectiveError("accel: rank " + std::to_string(context_.rank) + ": " + context_.what + " (" +
                             (context_.point_to_point ? "after " : "") + "collective #" +
                             std::to_string(context_.sequence) + " of its group) failed: " +
@@ -351,7 +353,8 @@ class Communicator {
   Pending pending(c10::intrusive_ptr<compat::Work> work, std::string what,
                   std::chrono::milliseconds timeout = std::chrono::milliseconds(0), bool point_to_point = false) const {
     return {std::move(work),
-            {std::move(what), world_rank_, sequence_, point_to_point, group_ ? group_->liveness : nullptr, record_},
+            {std::move(what), world_rank_, sequence_, point_to_point, group_ ? group_->liveness : nullptr, record_,
+             timeout_},
             timeout};
   }
   static std::uint64_t bytes_of(const at::Tensor& t) { return static_cast<std::uint64_t>(t.numel()) * t.element_size(); }

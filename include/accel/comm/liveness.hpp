@@ -65,7 +65,9 @@ class Liveness {
   /// What a failed collective can say about its peers, e.g. "rank 2 is gone
   /// (its heartbeat stopped: died or froze)", or that every rank is alive
   /// (so one skipped the collective). Takes about 3 periods; never throws.
-  std::string diagnose() const noexcept {
+  /// `failed_at_once`: the collective failed well before its timeout, so a
+  /// rank that never came is not the likely cause when every rank is alive.
+  std::string diagnose(bool failed_at_once = false) const noexcept {
     try {
       auto store = connect(std::chrono::milliseconds(2000));
       const auto first = read_all(*store);
@@ -76,6 +78,9 @@ class Liveness {
         if (r != rank_ && second[r] == first[r] && !store->check({failed_key(r)})) silent.push_back(r);
       // Only after a death do the survivors fail together and need the store for their roll calls.
       if (rank_ == 0 && !silent.empty()) hold_store_for_peers(*store, silent);
+      if (silent.empty() && failed_at_once)
+        return "every other rank is alive and the collective failed at once, not at its timeout: the backend refused "
+               "it (a dtype or shape it does not take? the reason follows)";
       if (silent.empty())
         return "every other rank is alive (their heartbeats go on), so one of them did not reach this collective: "
                "it is stuck elsewhere or skipped it (a collective under if (is_main_process()), a different number "
