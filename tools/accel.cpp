@@ -17,6 +17,7 @@
 #include "cli/env_report.hpp"
 #include "cli/launch.hpp"
 #include "accel/checkpoint/files.hpp"
+#include "cli/estimate.hpp"
 #include "cli/plan.hpp"
 #include "cli/settings.hpp"
 #include "cli/wizard.hpp"
@@ -36,6 +37,7 @@ const char* const main_usage =
     "  env      show accel's version, the machine, the default config and launcher variables\n"
     "  export   copy a checkpoint's full model to one file: accel export <checkpoint dir> <model.pt>\n"
     "  test     launch the bundled self-test on this set-up (rendezvous, collectives, RNG, data sharding)\n"
+    "  estimate-memory  per-rank memory of a model shape under each strategy: accel estimate-memory gpt|mlp\n"
     "\n"
     "Run accel <command> --help for its flags. accel --version prints the version.\n";
 
@@ -184,6 +186,15 @@ int test_command(const std::vector<std::string>& args) {
   return run_launch(std::move(plan), {program.string()});
 }
 
+int estimate_command(const std::vector<std::string>& args) {
+  for (const auto& arg : args)
+    if (arg == "-h" || arg == "--help") {
+      std::fputs(estimate_usage().c_str(), stdout);
+      return 0;
+    }
+  return estimate_memory(parse_estimate(args));
+}
+
 int env_command(const std::vector<std::string>& args) {
   for (const auto& arg : args) {
     if (arg == "-h" || arg == "--help") {
@@ -242,7 +253,8 @@ int main(int argc, char** argv) {
     if (command == "env") return env_command(args);
     if (command == "export") return export_command(args);
     if (command == "test") return test_command(args);
-    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env, export, test; see accel --help)\n",
+    if (command == "estimate-memory") return estimate_command(args);
+    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env, export, test, estimate-memory; see accel --help)\n",
                  command.c_str());
     return exit_usage;
   } catch (const UsageError& e) {

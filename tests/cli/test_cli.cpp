@@ -807,6 +807,73 @@ TEST_CASE("help, env and unknown commands") {
   CHECK(contains(stray.err, "unexpected argument './train'"));
 }
 
+TEST_CASE("estimate-memory: per-rank bytes of a shape under each strategy, hand-computed; bad shapes refused") {
+  TempDir dir;
+  // GPT-2 small with an untied LM head: GPT-2's 124,439,808 parameters plus 50257 x 768.
+  auto gpt = run_accel({"estimate-memory", "gpt"}, dir);
+  INFO(gpt);
+  REQUIRE(gpt.status == 0);
+  CHECK(contains(gpt.out, "163037184 parameters"));
+  for (const char* row : {"single process", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 + cpu_offload"}) CHECK(contains(gpt.out, row));
+
+  // An MLP of 7-13-9-5 (280 parameters, 1120 bytes) with Adam (two states per parameter).
+  auto rows = [&](const std::vector<std::string>& flags) {
+    std::vector<std::string> args = {"estimate-memory", "mlp", "--widths", "7,13,9,5", "--json"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    auto result = run_accel(args, dir);
+    INFO(result);
+    REQUIRE(result.status == 0);
+    std::map<std::string, nlohmann::json> by_strategy;
+    std::istringstream lines(result.out);
+    for (std::string line; std::getline(lines, line);) {
+      auto row = nlohmann::json::parse(line);
+      by_strategy[row["strategy"].get<std::string>() + "/" + std::to_string(row["num_processes"].get<int>())] = row;
+    }
+    return by_strategy;
+  };
+  auto three = rows({"--num_processes", "3", "--batch_size", "4"});
+  auto state = [](const nlohmann::json& row) {
+    return std::vector<std::int64_t>{row["parameters"], row["gradients"], row["optimizer_state"], row["offloaded_parameters"],
+                                     row["offloaded_gradients"], row["offloaded_optimizer_state"]};
+  };
+  using V = std::vector<std::int64_t>;
+  CHECK(state(three["DDP/3"]) == V{1120, 1120, 2240, 0, 0, 0});
+  // One bucket (1120 bytes is under the 1 MB first cap), padded to 282 elements: shards of 94.
+  CHECK(state(three["ZeRO-1/3"]) == V{1128, 1128, 752, 0, 0, 0});
+  CHECK(state(three["ZeRO-2/3"]) == V{1128, 376, 752, 0, 0, 0});
+  CHECK(state(three["ZeRO-3/3"]) == V{376, 376, 752, 0, 0, 0});
+  CHECK(state(three["ZeRO-3 + cpu_offload/3"]) == V{376, 376, 0, 376, 376, 752});
+  CHECK(three["DDP/3"]["activations"].get<std::int64_t>() > 0);
+  CHECK(three["DDP/3"]["per_rank"].get<std::int64_t>() == 1120 + 1120 + 2240 + three["DDP/3"]["activations"].get<std::int64_t>());
+  // ZeRO-3 units of at least 60 elements on 4 ranks: Linear 104 | Linear 126 -> 128 | the root's 50 -> 52.
+  auto units = rows({"--num_processes", "4", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "60",
+                     "--optimizer", "sgd_momentum", "--mixed_precision", "bf16"});
+  CHECK(state(units["ZeRO-3/4"]) == V{284, 284, 284, 0, 0, 0});
+  CHECK(state(units["DDP/4"]) == V{1120, 1120, 1120, 0, 0, 0});
+  CHECK(units["DDP/4"]["activations"].is_null());  // no formula under autocast
+
+  for (const auto& [args, message] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"estimate-memory"}, "which model?"},
+           {{"estimate-memory", "bert"}, "unknown model 'bert'"},
+           {{"estimate-memory", "mlp"}, "mlp needs --widths"},
+           {{"estimate-memory", "gpt", "--heads", "5"}, "the width (768) must divide by the heads (5)"},
+           {{"estimate-memory", "gpt", "--layers", "zero"}, "--layers expects an integer"},
+           {{"estimate-memory", "gpt", "--optimizer", "lion"}, "--optimizer expects adam"},
+           {{"estimate-memory", "gpt", "--num_processes", "4", "--shard_group_size", "3"}, ""},
+       }) {
+    auto refused = run_accel(args, dir);
+    INFO(refused);
+    if (message.empty()) {
+      CHECK(refused.status == 0);  // a HybridShard that does not divide is left out, not an error
+      CHECK_FALSE(contains(refused.out, "HybridShard"));
+      continue;
+    }
+    CHECK(refused.status == 2);
+    CHECK(contains(refused.err, message));
+  }
+}
+
 TEST_CASE("export: copies a checkpoint's model file; refuses an incomplete one and a model cut into parts") {
   TempDir dir;
   const std::string model_bytes = "not really a torch file, but 40 bytes..";

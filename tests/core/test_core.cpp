@@ -14,6 +14,7 @@
 #include "accel/core/rules.hpp"
 #include "accel/launch/spawn.hpp"
 #include "accel/strategy/bucket_plan.hpp"
+#include "accel/strategy/unit_plan.hpp"
 
 namespace {
 
@@ -243,6 +244,48 @@ TEST_SUITE("bucket plan") {
     CHECK(plan[0].offsets == std::vector<std::int64_t>{0, 4});  // parameter 1 first: reverse order
     const auto unpadded = plan_buckets(slots, {.caps = std::nullopt});
     CHECK(unpadded[0].padded == 7);
+  }
+}
+
+TEST_SUITE("unit plan") {
+  using accel::AutoWrapPolicy;
+  using accel::strategy::ModuleNode;
+  // root (param 0) -> "body": Block {param 1, "inner": Linear {param 2}} and
+  // Block {"inner": Linear {param 3}}; "head": Linear {param 4}
+  ModuleNode linear(std::size_t p) { return {.class_name = "torch::nn::LinearImpl", .params = {p}}; }
+  ModuleNode block(std::vector<std::size_t> own, ModuleNode inner) {
+    return {.class_name = "my::BlockImpl", .params = std::move(own), .children = {{"inner", std::move(inner)}}};
+  }
+  ModuleNode model() {
+    ModuleNode body{.class_name = "torch::nn::SequentialImpl",
+                    .children = {{"0", block({1}, linear(2))}, {"1", block({}, linear(3))}}};
+    return {.class_name = "Net", .params = {0}, .children = {{"body", body}, {"head", linear(4)}}};
+  }
+  const std::vector<std::int64_t> numels{5, 10, 40, 40, 30};
+
+  TEST_CASE("transformer-based: each listed class by short or full name, children first; the rest is the root unit") {
+    std::vector<std::string> names;
+    const auto units = accel::strategy::assign_units(model(), numels, AutoWrapPolicy::TRANSFORMER_BASED_WRAP, 0, {"BlockImpl"}, names);
+    CHECK(units == std::vector<std::size_t>{2, 0, 0, 1, 2});
+    CHECK(names == std::vector<std::string>{"body.0", "body.1", "(root)"});
+    names.clear();
+    const auto full = accel::strategy::assign_units(model(), numels, AutoWrapPolicy::TRANSFORMER_BASED_WRAP, 0,
+                                                    {"torch::nn::LinearImpl"}, names);
+    CHECK(full == std::vector<std::size_t>{3, 3, 0, 1, 2});  // param 1 sits on a Block, not a Linear
+    CHECK(names == std::vector<std::string>{"body.0.inner", "body.1.inner", "head", "(root)"});
+  }
+
+  TEST_CASE("size-based: a module wraps what its children left once it reaches the minimum") {
+    std::vector<std::string> names;
+    const auto units = accel::strategy::assign_units(model(), numels, AutoWrapPolicy::SIZE_BASED_WRAP, 45, {}, names);
+    // The inner Linears (40) are too small; Block 0 reaches 50 with its own
+    // parameter; Block 1 and "body" hold only 40 more, the head 30: the root takes them.
+    CHECK(units == std::vector<std::size_t>{1, 0, 0, 1, 1});
+    CHECK(names == std::vector<std::string>{"body.0", "(root)"});
+    names.clear();
+    const auto none = accel::strategy::assign_units(model(), numels, AutoWrapPolicy::NO_WRAP, 0, {}, names);
+    CHECK(none == std::vector<std::size_t>(5, 0));
+    CHECK(names == std::vector<std::string>{"(root)"});
   }
 }
 

@@ -1,12 +1,17 @@
 // save_state / load_state: exact resume, resharding to other world sizes,
 // atomic commit under SIGKILL, and clear rejection of bad checkpoints.
+#include <ATen/ops/arange.h>
 #include <ATen/ops/randn_like.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
 #include <torch/optim/schedulers/step_lr.h>
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <numeric>
 #include <thread>
 
 #include "accel/nn/tensor_parallel.hpp"
@@ -216,6 +221,68 @@ TEST_SUITE("checkpoint") {
           },
           bounded(120s));
     }
+  }
+
+  TEST_CASE("a checkpoint saved mid-epoch on 2 ranks resumes its loader on 1 and on 3 ranks: every sample of the "
+            "epoch is read once, before or after") {
+    // 24 numbered samples, batch 2 per rank, shuffled: 2 ranks read 3 batches
+    // each (12 samples) and save; the loader resumes after the 12 samples the
+    // job had read, however many ranks read on.
+    const auto dir = fresh_dir("reshard_loader");
+    RemoveOnExit cleanup{dir};
+    const std::int64_t n = 24;
+    auto numbered = [&] { return accel::data::TensorDataset(at::arange(n).unsqueeze(1).to(at::kFloat), at::arange(n)); };
+    const std::string before_file = temp_path("reshard_loader_before");
+    auto run = [&](int world, bool resume, const std::string& record) {
+      accel::spawn(
+          world,
+          [&](int) {
+            accel::Trainer<accel::DDP> trainer;
+            auto net = torch::nn::Sequential(torch::nn::Linear(1, 1));
+            torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+            trainer.prepare(net, opt);
+            auto loader = trainer.prepare(numbered(), {.batch_size = 2, .shuffle = true, .seed = 5});
+            if (resume) trainer.load_state(dir);
+            std::vector<std::int64_t> read;
+            int batches = 0;
+            for (auto batch : loader) {
+              for (std::int64_t i = 0; i < batch.target.size(0); ++i) read.push_back(batch.target[i].item<std::int64_t>());
+              trainer.step([&] { return (net->forward(batch.data).squeeze(1) - batch.target.to(at::kFloat)).pow(2).mean(); });
+              if (!resume && ++batches == 3) break;
+            }
+            if (!resume) trainer.save_state(dir);
+            std::vector<std::int64_t> all;
+            for (const auto& part : trainer.gather_object(read)) all.insert(all.end(), part.begin(), part.end());
+            if (trainer.is_main_process()) {
+              std::ofstream out(record);
+              for (auto i : all) out << i << "\n";
+            }
+          },
+          bounded(120s));
+    };
+    auto samples = [](const std::string& file) {
+      std::vector<std::int64_t> out;
+      std::ifstream in(file);
+      for (std::int64_t i; in >> i;) out.push_back(i);
+      return out;
+    };
+    run(2, false, before_file);
+    const auto before = samples(before_file);
+    REQUIRE(before.size() == 12);
+    for (int world : {1, 3}) {
+      CAPTURE(world);
+      const std::string after_file = temp_path("reshard_loader_after");
+      run(world, true, after_file);
+      auto all = samples(after_file);
+      CHECK(all.size() == 12);
+      all.insert(all.end(), before.begin(), before.end());
+      std::sort(all.begin(), all.end());
+      std::vector<std::int64_t> expected(n);
+      std::iota(expected.begin(), expected.end(), 0);
+      CHECK(all == expected);  // none skipped, none read twice
+      std::filesystem::remove(after_file);
+    }
+    std::filesystem::remove(before_file);
   }
 
   TEST_CASE("a HybridShard checkpoint from 4 ranks (2 groups of 2) resumes under ZeRO-3 on 2 and on 3 ranks") {

@@ -312,7 +312,8 @@ TEST_SUITE("zero") {
     }, bounded(120s));
   }
 
-  TEST_CASE("HybridShard with global-norm clipping on 4 ranks (2 groups of 2) equals one process clipping") {
+  TEST_CASE("HybridShard with global-norm clipping, and with accumulation, on 4 ranks (2 groups of 2) equals one "
+            "process") {
     accel::spawn(
         4,
         [](int rank) {
@@ -325,6 +326,13 @@ TEST_SUITE("zero") {
           require(max_param_diff(*clipped, *reference(steps, b * 4, 0.05)) < 1e-5, "HybridShard clipping");
           const double unclipped = max_param_diff(*clipped, *reference(steps, b * 4));
           require(unclipped > 1e-3, "HybridShard: clipping changed nothing (" + std::to_string(unclipped) + ")");
+          // Accumulation over 2 micro-batches: the replicas average what each shard group accumulated.
+          auto accumulated = train(accel::HybridShard{.zero = {.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP,
+                                                               .min_num_params = 60},
+                                                      .shard_group_size = 2},
+                                   rank, 4, steps, b, 2);
+          require(max_param_diff(*accumulated, *reference(steps, b * 4 * 2)) < 1e-5, "HybridShard accumulation");
+          require(max_param_diff(*accumulated, *reference(steps, b * 4)) > 1e-3, "accumulation changed the batch");
         },
         bounded(120s));
   }

@@ -6,8 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/tensor.h>
 
 #include <cstdint>
 #include <cstring>
@@ -24,22 +24,19 @@ namespace accel::comm {
 
 /// Every rank's `object`, in rank order, on every rank. `T` is anything
 /// nlohmann::json converts both ways (numbers, strings, containers of them,
-/// or a type with to_json/from_json). It travels as JSON text, packed in
-/// int64 words (Gloo's all-gather refuses bytes in LibTorch 2.x).
+/// or a type with to_json/from_json). It travels as JSON text, one byte per
+/// element of a ragged all-gather (Gloo gathers uint8 on both versions).
 template <class T>
 std::vector<T> gather_object(Communicator& comm, const T& object) {
   if (!comm.distributed()) return {object};
   const std::string text = nlohmann::json(object).dump();
-  std::vector<std::int64_t> words(1 + (text.size() + 7) / 8, 0);
-  words[0] = static_cast<std::int64_t>(text.size());
-  if (!text.empty()) std::memcpy(words.data() + 1, text.data(), text.size());
-  const at::Tensor mine = at::tensor(words, at::TensorOptions().dtype(at::kLong));
+  at::Tensor mine = at::empty({static_cast<std::int64_t>(text.size())}, at::TensorOptions().dtype(at::kByte));
+  if (!text.empty()) std::memcpy(mine.data_ptr<std::uint8_t>(), text.data(), text.size());
   std::vector<T> out;
   int rank = 0;
   for (const at::Tensor& part : all_gather_ragged(comm, mine, "gather_object")) {
     const at::Tensor host = part.contiguous();
-    const auto* data = host.data_ptr<std::int64_t>();
-    const std::string received(reinterpret_cast<const char*>(data + 1), static_cast<std::size_t>(data[0]));
+    const std::string received(reinterpret_cast<const char*>(host.data_ptr<std::uint8_t>()), static_cast<std::size_t>(host.numel()));
     try {
       out.push_back(nlohmann::json::parse(received).template get<T>());
     } catch (const nlohmann::json::exception& e) {

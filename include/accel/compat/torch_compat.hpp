@@ -5,6 +5,7 @@
 // library tests TORCH_VERSION_*.
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/Allocator.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -15,6 +16,7 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -164,5 +166,22 @@ inline void cuda_empty_cache() {
   c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
 }
+
+// ---------------------------------------------------------------- allocators
+/// A c10::Allocator written once for both versions: 2.3 made `allocate`
+/// non-const and added `copy_data`; a derived allocator implements
+/// `allocate_bytes` and copies with memcpy (host memory).
+class HostAllocatorBase : public c10::Allocator {
+ public:
+#if ACCEL_TORCH_AT_LEAST(2, 3)
+  c10::DataPtr allocate(std::size_t n) override { return allocate_bytes(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+#else
+  c10::DataPtr allocate(std::size_t n) const override { return const_cast<HostAllocatorBase*>(this)->allocate_bytes(n); }
+#endif
+
+ protected:
+  virtual c10::DataPtr allocate_bytes(std::size_t n) = 0;
+};
 
 }  // namespace accel::compat

@@ -5,7 +5,9 @@
 // compiles in well under a second.
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "accel/core/fwd.hpp"
@@ -55,6 +57,14 @@ enum class AutoWrapPolicy {
   SIZE_BASED_WRAP,         ///< every submodule with at least min_num_params not yet wrapped
   TRANSFORMER_BASED_WRAP,  ///< every submodule whose class is in transformer_layer_cls_to_wrap
 };
+
+/// The policy of one of Accelerate's fsdp_auto_wrap_policy names; none for another.
+inline std::optional<AutoWrapPolicy> auto_wrap_policy_named(std::string_view name) {
+  if (name == "NO_WRAP") return AutoWrapPolicy::NO_WRAP;
+  if (name == "SIZE_BASED_WRAP") return AutoWrapPolicy::SIZE_BASED_WRAP;
+  if (name == "TRANSFORMER_BASED_WRAP") return AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
+  return std::nullopt;
+}
 
 /// ZeRO data parallelism (DeepSpeed's stages; FSDP's SHARD_GRAD_OP is stage 2
 /// and FULL_SHARD stage 3): stage 1 shards the optimizer state over the

@@ -24,6 +24,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <variant>
 
 #include "accel/comm/communicator.hpp"
 
@@ -59,29 +60,27 @@ auto find_executable_batch_size(comm::Communicator& comm, std::int64_t starting_
     if (batch_size <= 0)
       throw std::runtime_error("accel: find_executable_batch_size: no executable batch size found, reached zero "
                                "(starting from " + std::to_string(starting_batch_size) + ")");
-    bool ran_out = false;
-    auto agree = [&] {  // whether any rank ran out: every rank takes the same branch
-      at::Tensor flag = at::full({1}, ran_out ? 1.0f : 0.0f);
-      comm.all_reduce_max(flag, "find_executable_batch_size (batch size " + std::to_string(batch_size) + ")");
-      return flag.item<float>() > 0;
-    };
-    if constexpr (std::is_void_v<Result>) {
-      try {
+    // One path for both kinds of attempt: a void one yields an empty tag.
+    auto call = [&]() {
+      if constexpr (std::is_void_v<Result>) {
         attempt(batch_size);
-      } catch (const std::exception& e) {
-        if (!is_out_of_memory(e)) throw;
-        ran_out = true;
+        return std::monostate{};
+      } else {
+        return attempt(batch_size);
       }
-      if (!agree()) return;
-    } else {
-      std::optional<Result> result;
-      try {
-        result.emplace(attempt(batch_size));
-      } catch (const std::exception& e) {
-        if (!is_out_of_memory(e)) throw;
-        ran_out = true;
-      }
-      if (!agree()) return std::move(*result);
+    };
+    std::optional<decltype(call())> result;
+    try {
+      result.emplace(call());
+    } catch (const std::exception& e) {
+      if (!is_out_of_memory(e)) throw;
+    }
+    // Whether any rank ran out: every rank takes the same branch.
+    at::Tensor ran_out = at::full({1}, result ? 0.0f : 1.0f);
+    comm.all_reduce_max(ran_out, "find_executable_batch_size (batch size " + std::to_string(batch_size) + ")");
+    if (ran_out.item<float>() == 0) {
+      if constexpr (std::is_void_v<Result>) return;
+      else return std::move(*result);
     }
     if (release) release();
     const std::int64_t next = reduce(batch_size);

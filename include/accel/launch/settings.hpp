@@ -97,12 +97,11 @@ inline bool debug_mode(const std::optional<bool>& configured) {
 
 inline void apply_launcher_wrap_policy(ZeRO<3>& zero) {
   if (auto policy = comm::process_environment(variables::fsdp_auto_wrap_policy)) {
-    if (*policy == "NO_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::NO_WRAP;
-    else if (*policy == "SIZE_BASED_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP;
-    else if (*policy == "TRANSFORMER_BASED_WRAP") zero.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
-    else
+    const auto named = auto_wrap_policy_named(*policy);
+    if (!named)
       throw ConfigurationError("accel: FSDP_AUTO_WRAP_POLICY='" + *policy +
                                "' is not NO_WRAP, SIZE_BASED_WRAP or TRANSFORMER_BASED_WRAP");
+    zero.auto_wrap_policy = *named;
   }
   if (auto count = comm::process_environment(variables::fsdp_min_num_params)) {
     std::size_t used = 0;

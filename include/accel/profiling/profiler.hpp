@@ -96,13 +96,13 @@ class Profiler {
   const std::vector<std::filesystem::path>& traces() const { return traces_; }
 
  private:
-  enum class Phase { idle, warmup, active, done };
+  enum class Phase { idle, warmup, active };  // idle too once `repeat` cycles are done
 
   int cycle_length() const { return kwargs_.wait + kwargs_.warmup + kwargs_.active; }
   bool last_of_cycle(int step) const { return step % cycle_length() == cycle_length() - 1; }
   Phase phase_of(int step) const {
     const int within = step % cycle_length();
-    if (kwargs_.repeat > 0 && step / cycle_length() >= kwargs_.repeat) return Phase::done;
+    if (kwargs_.repeat > 0 && step / cycle_length() >= kwargs_.repeat) return Phase::idle;
     if (within < kwargs_.wait) return Phase::idle;
     if (within < kwargs_.wait + kwargs_.warmup) return Phase::warmup;
     return Phase::active;

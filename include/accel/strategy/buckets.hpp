@@ -39,6 +39,7 @@
 #include "accel/compat/torch_compat.hpp"
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/engine.hpp"
+#include "accel/strategy/module_tree.hpp"
 
 namespace accel::strategy {
 
@@ -351,14 +352,6 @@ class BucketedEngineBase : public EngineDefaults {
       s.params[i].mutable_grad() = at::Tensor();
       s.grad_views[i] = at::Tensor();
     }
-  }
-
-  /// The optimizer parameter group holding `p`, or -1 (reduced, never stepped).
-  static int optimizer_group_of(const std::vector<torch::optim::OptimizerParamGroup>& groups, const at::Tensor& p) {
-    for (std::size_t g = 0; g < groups.size(); ++g)
-      for (const auto& q : groups[g].params())
-        if (q.is_same(p)) return static_cast<int>(g);
-    return -1;
   }
 
   /// Points the optimizer's groups at one tensor per bucket (a shard, or its

@@ -15,26 +15,9 @@
 #include <vector>
 
 #include "accel/compat/torch_compat.hpp"
+#include "accel/core/model_state.hpp"
 
 namespace accel {
-
-/// Bytes of model state this rank holds (the ZeRO paper's accounting):
-/// parameter storage, gradient storage, and the optimizer's per-element state
-/// (scalar counters such as Adam's step are not counted).
-struct ModelStateBytes {
-  // Held on the training device (for a CPU device: all of it, except what
-  // the offload fields below count).
-  std::int64_t parameters = 0;
-  std::int64_t gradients = 0;
-  std::int64_t optimizer_state = 0;
-  // Held in host memory by cpu_offload (NOTE [CPU offload]): the shards'
-  // host twins the optimizer steps, their gradients, and the optimizer state.
-  std::int64_t offloaded_parameters = 0;
-  std::int64_t offloaded_gradients = 0;
-  std::int64_t offloaded_optimizer_state = 0;
-  std::int64_t total() const { return parameters + gradients + optimizer_state; }
-  std::int64_t offloaded_total() const { return offloaded_parameters + offloaded_gradients + offloaded_optimizer_state; }
-};
 
 namespace strategy {
 

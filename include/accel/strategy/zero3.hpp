@@ -56,6 +56,7 @@
 #include "accel/core/policies.hpp"
 #include "accel/strategy/buckets.hpp"
 #include "accel/strategy/offload.hpp"
+#include "accel/strategy/module_tree.hpp"
 #include "accel/strategy/zero.hpp"
 
 namespace accel::strategy {
@@ -235,51 +236,6 @@ inline std::unique_ptr<at::ObserverContext> zero3_observe(const at::RecordFuncti
   return nullptr;
 }
 
-// Unit assignment by the auto-wrap policy, children before parents (FSDP's
-// bottom-up wrapping); returns, per parameter index, its unit.
-inline std::vector<std::size_t> assign_units(torch::nn::Module& model, const std::vector<at::Tensor>& params,
-                                             AutoWrapPolicy policy, std::int64_t min_num_params,
-                                             const std::vector<std::string>& classes,
-                                             std::vector<std::string>& unit_names) {
-  std::vector<std::size_t> unit(params.size(), SIZE_MAX);
-  auto index_of = [&](const at::Tensor& p) -> std::size_t {
-    for (std::size_t i = 0; i < params.size(); ++i)
-      if (params[i].is_same(p)) return i;
-    return SIZE_MAX;
-  };
-  auto class_matches = [&](const torch::nn::Module& m) {
-    const std::string name = m.name();
-    const auto colon = name.rfind("::");
-    const std::string short_name = colon == std::string::npos ? name : name.substr(colon + 2);
-    return std::find(classes.begin(), classes.end(), name) != classes.end() ||
-           std::find(classes.begin(), classes.end(), short_name) != classes.end();
-  };
-  std::function<void(torch::nn::Module&, const std::string&)> visit = [&](torch::nn::Module& m, const std::string& path) {
-    for (auto& child : m.named_children()) visit(*child.value(), path.empty() ? child.key() : path + "." + child.key());
-    if (path.empty() || policy == AutoWrapPolicy::NO_WRAP) return;
-    std::vector<std::size_t> unwrapped;
-    std::int64_t count = 0;
-    for (auto& p : m.parameters()) {
-      const auto i = index_of(p);
-      if (i != SIZE_MAX && unit[i] == SIZE_MAX) {
-        unwrapped.push_back(i);
-        count += p.numel();
-      }
-    }
-    if (unwrapped.empty()) return;
-    const bool wrap = policy == AutoWrapPolicy::SIZE_BASED_WRAP ? count >= min_num_params : class_matches(m);
-    if (!wrap) return;
-    for (auto i : unwrapped) unit[i] = unit_names.size();
-    unit_names.push_back(path);
-  };
-  visit(model, "");
-  const std::size_t root = unit_names.size();
-  unit_names.push_back("(root)");
-  for (auto& u : unit)
-    if (u == SIZE_MAX) u = root;
-  return unit;
-}
-
 }  // namespace detail
 
 template <class Precision, class Device>
@@ -343,9 +299,10 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     if (!optimizer.state().empty())
       throw std::logic_error("accel ZeRO: prepare the optimizer before its first step (its state would be lost)");
     std::vector<std::string> unit_names;
-    const auto unit_of_param = detail::assign_units(*model_, s.params, settings_.auto_wrap_policy,
-                                                    settings_.min_num_params,
-                                                    settings_.transformer_layer_cls_to_wrap, unit_names);
+    std::vector<std::int64_t> numels;
+    for (const auto& p : s.params) numels.push_back(p.numel());
+    const auto unit_of_param = assign_units(module_tree(*model_, s.params), numels, settings_.auto_wrap_policy,
+                                            settings_.min_num_params, settings_.transformer_layer_cls_to_wrap, unit_names);
     auto& groups = optimizer.param_groups();
     // Buckets never straddle units or optimizer groups.
     plan_buckets([&](const at::Tensor& p) { return optimizer_group_of(groups, p); },

@@ -26,6 +26,13 @@
 
 namespace accel::tracking {
 
+namespace detail {
+/// Seconds since the Unix epoch: every tracker's timestamps.
+inline double wall_time() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+}  // namespace detail
+
 /// CRC-32C (Castagnoli), the checksum TFRecord uses.
 inline std::uint32_t crc32c(std::string_view bytes) {
   static const auto table = [] {
@@ -114,7 +121,7 @@ class EventFileWriter {
     out_.open(path_, std::ios::binary | std::ios::app);
     if (!out_) throw std::runtime_error("accel: cannot write the TensorBoard event file " + path_.string());
     std::string event;
-    protobuf::double_field(event, 1, now());
+    protobuf::double_field(event, 1, detail::wall_time());
     protobuf::bytes_field(event, 3, "brain.Event:2");
     write_record(event);
   }
@@ -125,7 +132,7 @@ class EventFileWriter {
     std::string summary;
     for (const std::string& value : values) protobuf::bytes_field(summary, 1, value);
     std::string event;
-    protobuf::double_field(event, 1, now());
+    protobuf::double_field(event, 1, detail::wall_time());
     protobuf::int_field(event, 2, step);
     protobuf::bytes_field(event, 5, summary);
     write_record(event);
@@ -134,9 +141,6 @@ class EventFileWriter {
   const std::filesystem::path& path() const { return path_; }
 
  private:
-  static double now() {
-    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  }
   void write_record(const std::string& data) {
     std::string header;
     protobuf::little_endian<std::uint64_t>(header, data.size());

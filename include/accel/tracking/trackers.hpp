@@ -69,9 +69,6 @@ inline void write_config(const std::filesystem::path& run_dir, const Values& con
   out << config.dump(2) << '\n';
   if (!out) throw std::runtime_error("accel: cannot write " + (run_dir / "config.json").string());
 }
-inline double wall_time() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
 }  // namespace detail
 
 /// One JSON object per line: {"step": s, "time": unix seconds, ...values}.

@@ -1,0 +1,143 @@
+#pragma once
+// NOTE [Memory estimate]
+// The model state each rank holds under each strategy, predicted from the
+// model's shapes alone, equal to the byte to what Trainer::model_state_bytes
+// measures in a real run (tests/torch/test_estimate.cpp): the estimate runs
+// the engines' own plans (bucket_plan.hpp, unit_plan.hpp), so the padding of
+// each bucket to the shard count and ZeRO-3's units are counted as they are
+// allocated. With P' the padded buckets' bytes, N the shard count, k the
+// optimizer's tensors per parameter (Adam 2):
+//   single, DDP  params P,  grads P,    optimizer kP         (unpadded)
+//   ZeRO-1       params P', grads P',   optimizer kP'/N
+//   ZeRO-2       params P', grads P'/N, optimizer kP'/N      (between steps; see below)
+//   ZeRO-3       params P'/N, grads P'/N, optimizer kP'/N    (P' padded per unit)
+//   HybridShard  ZeRO-3's with N = shard_group_size
+//   cpu_offload  the optimizer state moves to host memory, beside host
+//                twins of the shard and its gradient (P'/N each)
+// Mixed precision changes none of it: BF16/FP16 autocast keeps fp32 master
+// weights, gradients and optimizer state. What lives only within a step is
+// not model state: ZeRO-2's full-size gradient buckets during backward,
+// ZeRO-3's gathered units, the optimizer's temporaries. Torch-free.
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "accel/core/model_state.hpp"
+#include "accel/core/policies.hpp"
+#include "accel/strategy/bucket_plan.hpp"
+#include "accel/strategy/unit_plan.hpp"
+
+namespace accel::estimate {
+
+/// What the estimate needs of a model: its trained parameters in
+/// registration order (elements, element size, kind, optimizer group) and
+/// its module tree, which places ZeRO-3's units.
+struct ModelShape {
+  std::vector<strategy::ParameterSlot> params{};
+  strategy::ModuleNode tree{};
+
+  std::int64_t numel() const {
+    std::int64_t n = 0;
+    for (const auto& p : params) n += p.numel;
+    return n;
+  }
+  std::int64_t bytes() const {
+    std::int64_t n = 0;
+    for (const auto& p : params) n += p.numel * p.element_size;
+    return n;
+  }
+};
+
+/// How many tensors shaped like its parameter an optimizer keeps: Adam and
+/// AdamW 2 (3 with amsgrad), SGD with momentum and RMSprop 1, plain SGD 0.
+struct OptimizerShape {
+  int states_per_parameter = 2;
+};
+
+namespace detail {
+
+// Bytes of the flat buffers the plan allocates: each bucket padded to a
+// multiple of the shard count.
+inline std::int64_t planned_bytes(const std::vector<strategy::ParameterSlot>& slots, const strategy::PlanSettings& plan) {
+  std::int64_t bytes = 0;
+  for (const auto& bucket : strategy::plan_buckets(slots, plan)) bytes += bucket.padded * slots[bucket.params.front()].element_size;
+  return bytes;
+}
+
+// ZeRO-3's plan: one bucket per (kind, group, unit), padded to `shards`.
+inline std::int64_t zero3_planned_bytes(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
+  std::vector<std::int64_t> numels;
+  for (const auto& p : shape.params) numels.push_back(p.numel);
+  std::vector<std::string> unit_names;
+  const auto units = strategy::assign_units(shape.tree, numels, settings.auto_wrap_policy, settings.min_num_params,
+                                            settings.transformer_layer_cls_to_wrap, unit_names);
+  auto slots = shape.params;
+  for (std::size_t i = 0; i < slots.size(); ++i) slots[i].unit = static_cast<int>(units[i]);
+  return planned_bytes(slots, {.caps = std::nullopt, .pad_to_multiple = shards});
+}
+
+inline void check_world(int world, const char* who) {
+  if (world < 1) throw std::invalid_argument(std::string("accel estimate: ") + who + ": the number of processes must be at least 1");
+}
+
+// The sharded strategies' state from the padded total, the shard count and
+// whether parameters and gradients are sharded too.
+inline ModelStateBytes sharded(std::int64_t padded, int shards, bool shard_parameters, bool shard_gradients,
+                               bool cpu_offload, const OptimizerShape& optimizer) {
+  const std::int64_t shard = padded / shards;
+  ModelStateBytes m;
+  m.parameters = shard_parameters ? shard : padded;
+  m.gradients = shard_gradients ? shard : padded;
+  const std::int64_t state = optimizer.states_per_parameter * shard;
+  if (cpu_offload) {
+    m.offloaded_parameters = shard;
+    m.offloaded_gradients = shard;
+    m.offloaded_optimizer_state = state;
+  } else {
+    m.optimizer_state = state;
+  }
+  return m;
+}
+
+}  // namespace detail
+
+/// One process, or DDP on any number: every rank holds everything, unpadded.
+inline ModelStateBytes model_state(const ModelShape& shape, const SingleProcess&, int world, OptimizerShape optimizer = {}) {
+  detail::check_world(world, "SingleProcess");
+  const std::int64_t p = shape.bytes();
+  return {.parameters = p, .gradients = p, .optimizer_state = optimizer.states_per_parameter * p};
+}
+inline ModelStateBytes model_state(const ModelShape& shape, const DDP&, int world, OptimizerShape optimizer = {}) {
+  return model_state(shape, SingleProcess{}, world, optimizer);
+}
+
+template <int Stage>
+ModelStateBytes model_state(const ModelShape& shape, const ZeRO<Stage>& settings, int world, OptimizerShape optimizer = {}) {
+  detail::check_world(world, "ZeRO");
+  if constexpr (Stage == 3) {
+    return detail::sharded(detail::zero3_planned_bytes(shape, settings, world), world, true, true, settings.cpu_offload,
+                           optimizer);
+  } else {
+    const auto padded = detail::planned_bytes(
+        shape.params, {.caps = strategy::BucketCaps{settings.first_bucket_cap_mb, settings.bucket_cap_mb},
+                       .pad_to_multiple = world});
+    return detail::sharded(padded, world, false, Stage == 2, settings.cpu_offload, optimizer);
+  }
+}
+
+/// HybridShard needs its shard group size (0, one machine, is unknown here).
+inline ModelStateBytes model_state(const ModelShape& shape, const HybridShard& settings, int world,
+                                   OptimizerShape optimizer = {}) {
+  detail::check_world(world, "HybridShard");
+  const int shards = settings.shard_group_size;
+  if (shards < 1 || world % shards != 0)
+    throw std::invalid_argument("accel estimate: HybridShard needs shard_group_size (the ranks of one machine), a divisor of " +
+                                std::to_string(world) + " processes; got " + std::to_string(shards));
+  return detail::sharded(detail::zero3_planned_bytes(shape, settings.zero, shards), shards, true, true,
+                         settings.zero.cpu_offload, optimizer);
+}
+
+}  // namespace accel::estimate
