@@ -10,9 +10,17 @@
 using namespace accel::testing;
 using accel::comm::MeshDim;
 
+namespace {
+constexpr double kBound = 3e-7, kLossBound = 1.2e-6;
+}  // namespace
+
 TEST_SUITE("pipeline") {
   TEST_CASE("2 stages, 4 micro-batches, GPipe and 1F1B: parameters equal single-process training on the same "
-            "global batch (1e-5); 1F1B never holds more than 2 micro-batches") {
+            "global batch; 1F1B never holds more than 2 micro-batches") {
+    // Measured on LibTorch 1.13: the parameters at most 3e-8 apart, the
+    // losses 1.2e-7; bounds 10x that. The companion: the
+    // reference moved far more than the bound, so a stage that did not train
+    // (or trained on the wrong gradients) would fail.
     for (auto schedule : {accel::pipeline::Schedule::gpipe, accel::pipeline::Schedule::one_f_one_b}) {
       accel::spawn(
           2,
@@ -21,6 +29,9 @@ TEST_SUITE("pipeline") {
             accel::comm::DeviceMesh mesh(world.communicator(), {.pipeline = 2});
             auto model = tiny_mlp(0, 8, 16, 4, 3);  // 7 layers: stage 0 gets 3, stage 1 gets 4
             auto reference = tiny_mlp(0, 8, 16, 4, 3);
+            std::vector<at::Tensor> initial;
+            for (const auto& p : reference->parameters()) initial.push_back(p.detach().clone());
+            double worst_loss = 0, worst = 0, moved = 0;
             accel::pipeline::Pipeline pipe(model, mesh.group(MeshDim::pipeline), {.micro_batches = 4, .schedule = schedule});
             torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
             torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -35,7 +46,8 @@ TEST_SUITE("pipeline") {
               auto ref_loss = loss_of(reference, batch.x, batch.y);
               ref_loss.backward();
               ref_opt.step();
-              require(std::abs(loss - ref_loss.item<double>()) < 1e-5, "the loss is reported on every stage");
+              worst_loss = std::max(worst_loss, std::abs(loss - ref_loss.item<double>()));
+              require(std::abs(loss - ref_loss.item<double>()) < kLossBound, "the loss is reported on every stage");
             }
             // This stage's layers against the same layers of the reference.
             auto mine = pipe.parameters();
@@ -43,8 +55,13 @@ TEST_SUITE("pipeline") {
             const std::size_t offset = rank == 0 ? 0 : all.size() - mine.size();
             for (std::size_t i = 0; i < mine.size(); ++i) {
               const double diff = (mine[i] - all[offset + i]).abs().max().item<double>();
-              require(diff < 1e-5, "stage parameter " + std::to_string(i) + " differs by " + std::to_string(diff));
+              worst = std::max(worst, diff);
+              moved = std::max(moved, (all[offset + i] - initial[offset + i]).abs().max().item<double>());
+              require(diff < kBound, "stage parameter " + std::to_string(i) + " differs by " + std::to_string(diff));
             }
+            std::printf("pipeline stage %d: parameters %.2g apart (bound %.0e), losses %.2g (bound %.0e), moved %.2g\n",
+                        rank, worst, kBound, worst_loss, kLossBound, moved);
+            require(moved > 100 * kBound, "the reference moved only " + std::to_string(moved) + ": the check could not fail");
             if (schedule == accel::pipeline::Schedule::one_f_one_b)
               require(pipe.peak_in_flight() <= 2, "1F1B held " + std::to_string(pipe.peak_in_flight()) + " micro-batches");
             else
