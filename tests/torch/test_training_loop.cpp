@@ -227,6 +227,56 @@ TEST_SUITE("loop") {
         bounded());
   }
 
+  TEST_CASE("FP16 loss scaling follows PyTorch's GradScaler: the same scales, growth tracker, skipped steps and "
+            "parameters over a planted overflow (reference: torch.amp.GradScaler on the CPU; skipped without it)") {
+    const std::vector<bool> overflow{false, true, false, false, false};
+    const std::string script_file = temp_path("grad_scaler.py");
+    {
+      std::ofstream script(script_file);
+      script << "import torch\n"
+                "s = torch.amp.GradScaler('cpu', init_scale=1024, growth_interval=3)\n"
+                "p = torch.nn.Parameter(torch.ones(2))\n"
+                "o = torch.optim.SGD([p], lr=0.1)\n"
+                "for inf in [False, True, False, False, False]:\n"
+                "    o.zero_grad()\n"
+                "    s.scale((p * 2).sum()).backward()\n"
+                "    if inf: p.grad[0] = float('inf')\n"
+                "    s.step(o)\n"
+                "    s.update()\n"
+                "    print(s.get_scale(), s._growth_tracker.item(), p[1].item())\n";
+    }
+    std::vector<double> reference;
+    if (FILE* pipe = ::popen((test_python() + " " + script_file + " 2>/dev/null").c_str(), "r")) {
+      for (double v; std::fscanf(pipe, "%lf", &v) == 1;) reference.push_back(v);
+      ::pclose(pipe);
+    }
+    std::filesystem::remove(script_file);
+    if (reference.size() != 3 * overflow.size()) {
+      MESSAGE("skipped: " << test_python() << " has no torch.amp.GradScaler for the CPU (PyTorch 2.3 or later)");
+      return;
+    }
+    accel::Trainer<> trainer;
+    accel::precision::GradScaler scaler(accel::FP16{.init_scale = 1024, .growth_interval = 3});
+    at::Tensor p = at::ones({2}).requires_grad_(true);
+    for (std::size_t i = 0; i < overflow.size(); ++i) {
+      CAPTURE(i);
+      (scaler.scale_loss((p * 2).sum())).backward();
+      if (overflow[i]) {
+        c10::NoGradGuard no_grad;
+        p.mutable_grad()[0] = std::numeric_limits<float>::infinity();
+      }
+      if (!scaler.unscale({p}, trainer.communicator())) {
+        c10::NoGradGuard no_grad;
+        p.sub_(p.grad() * 0.1);
+      }
+      scaler.update();
+      p.mutable_grad().zero_();
+      CHECK(scaler.scale() == reference[3 * i]);
+      CHECK(scaler.state().growth_tracker == static_cast<std::int64_t>(reference[3 * i + 1]));
+      CHECK(p[1].item<double>() == doctest::Approx(reference[3 * i + 2]).epsilon(1e-7));
+    }
+  }
+
   TEST_CASE("DDP comm hooks: fp16 and bf16 on the wire train like fp32, and really compress; bf16 is refused "
             "where Gloo cannot reduce it") {
     accel::spawn(
