@@ -82,6 +82,21 @@ torch::nn::Sequential alone(int steps, std::int64_t b, int world, int rank) {
   return net;
 }
 
+// P' in elements: odd_mlp's own parameters (read from a fresh model, not
+// from the engine) padded as the bucket plan pads them (strategy/
+// bucket_plan.hpp, checked by hand in tests/core). `unit_of_param`: ZeRO-3's
+// unit of each parameter, as its wrap policy assigns them.
+std::int64_t planned_elements(std::optional<accel::strategy::BucketCaps> caps, int shards,
+                              const std::vector<int>& unit_of_param = {}) {
+  std::vector<accel::strategy::ParameterSlot> slots;
+  const auto params = odd_mlp()->parameters();
+  for (std::size_t i = 0; i < params.size(); ++i)
+    slots.push_back({.numel = params[i].numel(), .unit = unit_of_param.empty() ? 0 : unit_of_param[i]});
+  std::int64_t elements = 0;
+  for (const auto& bucket : accel::strategy::plan_buckets(slots, {.caps = caps, .pad_to_multiple = shards})) elements += bucket.padded;
+  return elements;
+}
+
 // One Adam step of odd_mlp under `strategy` on `world` ranks; returns what
 // the trainer holds then, and in `padded` the parameter count with each
 // bucket padded to a multiple of `world` (DDP: unpadded).
@@ -93,12 +108,9 @@ accel::ModelStateBytes bytes_after_one_step(Strategy strategy, int world, std::i
   trainer.prepare(net, opt);
   auto batch = odd_batch(0, 4);
   trainer.step([&] { return loss_of(net, batch.x, batch.y); });
-  padded = 0;
-  if constexpr (!std::is_same_v<Strategy, accel::DDP>) {
-    for (auto n : trainer.strategy_engine().bucket_numels()) padded += (n + world - 1) / world * world;
-  } else {
-    for (auto& p : net->parameters()) padded += p.numel();
-  }
+  if constexpr (std::is_same_v<Strategy, accel::DDP>) padded = planned_elements(std::nullopt, 1);
+  else if constexpr (std::is_same_v<Strategy, accel::ZeRO<3>>) padded = planned_elements(std::nullopt, world);  // NO_WRAP: one unit
+  else padded = planned_elements(accel::strategy::BucketCaps{strategy.first_bucket_cap_mb, strategy.bucket_cap_mb}, world);
   return trainer.model_state_bytes();
 }
 
@@ -271,8 +283,7 @@ TEST_SUITE("zero") {
           require(gathered_during.front() == 1, "only the running unit is gathered in the forward");
           require(peak <= engine.largest_unit_bytes(), "at most the largest unit is gathered at a time");
           // Memory: everything / N (P padded per bucket), plus nothing gathered between steps.
-          std::int64_t P = 0;
-          for (auto n : engine.bucket_numels()) P += (n + 1) / 2 * 2;
+          const std::int64_t P = planned_elements(std::nullopt, 2, {0, 0, 1, 1, 2, 2});  // a unit per Linear
           const auto bytes = trainer.model_state_bytes();
           require(bytes.parameters == 4 * P / 2, "ZeRO-3 params " + std::to_string(bytes.parameters));
           require(bytes.gradients == 4 * P / 2, "ZeRO-3 grads " + std::to_string(bytes.gradients));
@@ -391,8 +402,7 @@ TEST_SUITE("zero") {
               auto batch = odd_batch(step, b * 4);
               trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
             }
-            std::int64_t P = 0;
-            for (auto n : trainer.strategy_engine().shard_layout().bucket_numels) P += (n + 1) / 2 * 2;
+            const std::int64_t P = planned_elements(std::nullopt, 2, {0, 0, 1, 1, 2, 2});  // each Linear >= 60
             const auto bytes = trainer.model_state_bytes();
             const auto state = offload ? bytes.offloaded_optimizer_state : bytes.optimizer_state;
             require(bytes.parameters == 4 * P / 2 && state == 8 * P / 2, "sharded over the group of 2");
