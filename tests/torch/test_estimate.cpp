@@ -3,6 +3,8 @@
 // Trainer::model_state_bytes counts after a real step under each strategy, to
 // the byte; the activation formulas fall within 10% of the peak a counting
 // allocator measures during a real forward and backward.
+#include <ATen/ops/dropout.h>
+#include <ATen/ops/rand.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -17,6 +19,7 @@
 #include <accel/estimate/module.hpp>
 #include <accel/estimate/report.hpp>
 #include <accel/estimate/shapes.hpp>
+#include <accel/nn/activation_checkpoint.hpp>
 
 #include "../../examples/gpt_model.hpp"
 #include "doctest_torch.hpp"
@@ -302,6 +305,70 @@ TEST_SUITE("estimate") {
     check(accel::ZeRO<1>{.cpu_offload = true}, "ZeRO-1 offload", 0);
     check(accel::ZeRO<2>{.cpu_offload = true}, "ZeRO-2 offload", P / 2);
     check(accel::ZeRO<3>{.cpu_offload = true}, "ZeRO-3 offload", P / 2);
+  }
+
+  TEST_CASE("activation checkpointing: gradients bitwise equal to the plain backward through GPT blocks; the peak "
+            "activation bytes fall with the layers") {
+    accel::Trainer<> trainer;
+    const gpt::Config c{.vocab = 64, .context = 32, .width = 64, .heads = 4, .layers = 8};
+    auto net = gpt::make_gpt(c, trainer.tensor_group());
+    auto ids = at::randint(c.vocab, {4, c.context}, at::TensorOptions().dtype(at::kLong));
+    auto loss = [&](bool checkpointed) {
+      at::Tensor x = net[0]->as<gpt::Embed>()->forward(ids);
+      for (int l = 1; l <= c.layers; ++l) {
+        auto* block = net[l]->as<gpt::Block>();
+        x = checkpointed ? accel::nn::checkpoint([block](const at::Tensor& in) { return block->forward(in); }, x)
+                         : block->forward(x);
+      }
+      auto logits = net[c.layers + 1]->as<gpt::Head>()->forward(x);
+      return accel::nn::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), ids.reshape({-1}),
+                                                     trainer.tensor_group());
+    };
+    auto gradients = [&](bool checkpointed) {
+      for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+      loss(checkpointed).backward();
+      std::vector<at::Tensor> out;
+      for (auto& p : net->parameters()) out.push_back(p.grad().clone());
+      return out;
+    };
+    const auto plain = gradients(false), recomputed = gradients(true);
+    REQUIRE(plain.size() == recomputed.size());
+    for (std::size_t i = 0; i < plain.size(); ++i) REQUIRE(plain[i].equal(recomputed[i]));
+    // Peak bytes of a forward and backward (the gradients already there):
+    // 8 blocks each keep only their input instead of all their activations.
+    const auto without = estimate::peak_bytes_during([&] { loss(false).backward(); });
+    const auto with = estimate::peak_bytes_during([&] { loss(true).backward(); });
+    MESSAGE("activation checkpointing, gpt of 8 blocks: peak " << with << " bytes against " << without << " ("
+                                                                << double(without) / double(with) << "x less)");
+    CHECK(3 * with < without);
+  }
+
+  TEST_CASE("activation checkpointing replays the forward's random numbers (dropout) and leaves the generator "
+            "where the plain run leaves it; parameters passed when no input requires a gradient") {
+    auto w = at::randn({16, 16}).requires_grad_(true);
+    auto x = at::randn({8, 16}).requires_grad_(true);
+    auto f = [&](const at::Tensor& in) { return at::dropout(at::matmul(in, w).tanh(), 0.5, true); };
+    auto run = [&](bool checkpointed, std::uint64_t seed) {
+      w.mutable_grad() = at::Tensor();
+      x.mutable_grad() = at::Tensor();
+      at::manual_seed(seed);
+      auto y = checkpointed ? accel::nn::checkpoint(f, x) : f(x);
+      y.pow(2).sum().backward();
+      return std::vector<at::Tensor>{w.grad().clone(), x.grad().clone(), at::rand({4})};
+    };
+    const auto plain = run(false, 3), recomputed = run(true, 3), other_seed = run(false, 4);
+    for (std::size_t i = 0; i < plain.size(); ++i) CHECK(plain[i].equal(recomputed[i]));
+    CHECK_FALSE(plain[0].equal(other_seed[0]));  // the dropout is live: another mask, other gradients
+
+    // The data alone feeds the first layer: its parameters are passed so that they get their gradient.
+    auto data = at::randn({8, 16});
+    w.mutable_grad() = at::Tensor();
+    at::matmul(data, w).tanh().sum().backward();
+    const auto expected = w.grad().clone();
+    w.mutable_grad() = at::Tensor();
+    accel::nn::checkpoint([&](const at::Tensor& in) { return at::matmul(in, w).tanh(); }, data, {w}).sum().backward();
+    REQUIRE(w.grad().defined());
+    CHECK(w.grad().equal(expected));
   }
 
   TEST_CASE("the report: one row per strategy and process count, refusing a HybridShard that does not divide") {

@@ -18,8 +18,6 @@
 // names it); its optimizer shards reshard to another number of data ranks
 // (NOTE [Resharding optimizer state]).
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
@@ -45,6 +43,7 @@
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
 #include "accel/data/loader.hpp"
+#include "accel/device/random_state.hpp"
 #include "accel/precision/grad_scaler.hpp"
 #include "accel/strategy/engine.hpp"
 
@@ -105,32 +104,6 @@ struct FileNames {
 };
 
 inline FileNames names_for(const strategy::ModelPart& part) { return {part.count, part.index}; }
-
-// The generators a resumed run must continue: the CPU's, and the training
-// device's when it is a GPU (dropout and randn on CUDA draw from it).
-inline std::vector<at::Generator> generators(at::Device device) {
-  std::vector<at::Generator> out{at::detail::getDefaultCPUGenerator()};
-  if (!device.is_cpu()) out.push_back(at::globalContext().defaultGenerator(device));
-  return out;
-}
-
-inline std::vector<at::Tensor> random_states(at::Device device) {
-  std::vector<at::Tensor> states;
-  for (auto generator : generators(device)) {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    states.push_back(generator.get_state());
-  }
-  return states;
-}
-
-// A checkpoint saved on another device type restores what it has (the CPU's at least).
-inline void restore_random_states(at::Device device, const std::vector<at::Tensor>& states) {
-  auto targets = generators(device);
-  for (std::size_t i = 0; i < targets.size() && i < states.size(); ++i) {
-    std::lock_guard<std::mutex> lock(targets[i].mutex());
-    targets[i].set_state(states[i]);
-  }
-}
 
 // A flag as rank 0 sees it, on every rank.
 inline bool main_process_says(comm::Communicator& world, bool flag) {
@@ -406,7 +379,7 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
   {
     std::vector<at::Tensor> rng;
     torch::load(rng, (dir / ("random_states_" + std::to_string(t.world.rank() % saved_world) + ".pt")).string());
-    restore_random_states(t.device, rng);
+    device::restore_random_states(t.device, rng);
   }
   // Data position: in samples read by the data ranks together, so that a
   // run resumed on another number of them skips what the whole job had read.
@@ -444,7 +417,7 @@ inline void save_state(TrainerView& t, const std::filesystem::path& dir) {
     fs::create_directories(target);
   }
   t.world.barrier();
-  torch::save(detail::random_states(t.device),
+  torch::save(device::random_states(t.device),
               (target / ("random_states_" + std::to_string(t.world.rank()) + ".pt")).string());
   const auto part = t.engine.model_part(t.world);
   const auto shards = t.engine.shard_layout();
