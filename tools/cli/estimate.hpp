@@ -174,16 +174,12 @@ inline int estimate_memory(const EstimateRequest& request) {
   const bool gpt = request.model == "gpt";
   estimate::ModelShape shape;
   std::optional<std::int64_t> activations;
-  try {
+  std::vector<estimate::ReportRow> rows;
+  try {  // a shape or setting the estimate refuses is the user's flags
     shape = gpt ? estimate::model_shape(request.gpt) : estimate::model_shape(request.mlp);
     if (request.mixed_precision == "no")
       activations = gpt ? estimate::activation_bytes(request.gpt, request.batch_size)
                         : estimate::activation_bytes(request.mlp, request.batch_size);
-  } catch (const std::invalid_argument& e) {
-    throw UsageError(e.what());
-  }
-  std::vector<estimate::ReportRow> rows;
-  try {
     rows = estimate::report(shape, activations, request.report);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());

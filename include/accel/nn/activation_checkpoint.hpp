@@ -48,46 +48,40 @@ struct AutocastState {
   }
 };
 
-// What the recomputation needs: the function, and the generators and
-// autocast as the forward found them.
-struct Replay : torch::CustomClassHolder {
-  CheckpointedFunction fn;
+// The generators and autocast as a thread has them at one moment.
+struct ThreadState {
   at::Device device{at::kCPU};
-  std::vector<at::Tensor> random_states;
-  AutocastState cpu, cuda;
+  std::vector<at::Tensor> random_states{};
+  AutocastState cpu{}, cuda{};
 
-  void capture() {
-    random_states = device::random_states(device);
-    cpu = AutocastState::of(c10::DeviceType::CPU);
-    cuda = AutocastState::of(c10::DeviceType::CUDA);
+  static ThreadState now(at::Device device) {
+    return {device, device::random_states(device), AutocastState::of(c10::DeviceType::CPU),
+            AutocastState::of(c10::DeviceType::CUDA)};
+  }
+  void restore() const {
+    device::restore_random_states(device, random_states);
+    cpu.apply(c10::DeviceType::CPU);
+    cuda.apply(c10::DeviceType::CUDA);
   }
 };
 
-// Sets the forward's generators and autocast for its lifetime, then puts
-// back the thread's own (also when the recomputation throws).
+// What the recomputation needs: the function, and the state the forward found.
+struct Replay : torch::CustomClassHolder {
+  CheckpointedFunction fn;
+  ThreadState forward;
+};
+
+// Sets the forward's state for its lifetime, then puts back the thread's own
+// (also when the recomputation throws).
 class ReplayScope {
  public:
-  explicit ReplayScope(const Replay& replay)
-      : device_(replay.device),
-        states_(device::random_states(device_)),
-        cpu_(AutocastState::of(c10::DeviceType::CPU)),
-        cuda_(AutocastState::of(c10::DeviceType::CUDA)) {
-    device::restore_random_states(device_, replay.random_states);
-    replay.cpu.apply(c10::DeviceType::CPU);
-    replay.cuda.apply(c10::DeviceType::CUDA);
-  }
-  ~ReplayScope() {
-    device::restore_random_states(device_, states_);
-    cpu_.apply(c10::DeviceType::CPU);
-    cuda_.apply(c10::DeviceType::CUDA);
-  }
+  explicit ReplayScope(const ThreadState& forward) : own_(ThreadState::now(forward.device)) { forward.restore(); }
+  ~ReplayScope() { own_.restore(); }
   ReplayScope(const ReplayScope&) = delete;
   ReplayScope& operator=(const ReplayScope&) = delete;
 
  private:
-  at::Device device_;
-  std::vector<at::Tensor> states_;
-  AutocastState cpu_, cuda_;
+  ThreadState own_;
 };
 
 struct Checkpoint : torch::autograd::Function<Checkpoint> {
@@ -96,7 +90,7 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
   // (TensorLists, as a custom Function counts their tensors as its inputs.)
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<Replay> replay,
                                                 at::TensorList inputs, at::TensorList parameters) {
-    replay->capture();
+    replay->forward = ThreadState::now(replay->forward.device);
     ctx->save_for_backward(inputs.vec());
     ctx->saved_data["replay"] = c10::IValue::make_capsule(replay);
     ctx->saved_data["parameters"] = static_cast<std::int64_t>(parameters.size());
@@ -112,7 +106,7 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
       inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad()) : saved);
     at::Tensor output;
     {
-      ReplayScope scope(*replay);
+      ReplayScope scope(replay->forward);
       c10::AutoGradMode enable_grad(true);
       output = replay->fn(inputs);
     }
@@ -138,7 +132,7 @@ inline at::Tensor checkpoint(CheckpointedFunction fn, const std::vector<at::Tens
   replay->fn = std::move(fn);
   for (const auto& t : inputs)
     if (t.defined()) {
-      replay->device = t.device();
+      replay->forward.device = t.device();
       break;
     }
   bool any_requires_grad = false;
