@@ -208,7 +208,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
       double loss = 0;
       {
         [[maybe_unused]] auto scope = autocast();
-        loss = engine_.pipeline_step(inputs, targets, loss_fn);
+        // As backward() would: the loss over the accumulation steps, scaled (FP16).
+        loss = engine_.pipeline_step(inputs, targets, loss_fn, scaling_.scale() / accumulation_steps_, sync_gradients_);
       }
       synchronized_ = false;
       optimizer_step();
@@ -344,17 +345,20 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
 
   /// Sum, mean (as floating point) or element-wise maximum of `tensor` over
   /// ranks (Accelerate's reduce with "sum", "mean", "max"); the input is
-  /// left untouched.
+  /// left untouched. Over the same ranks as gather: under Parallel<> tensor
+  /// and pipeline peers hold the same samples, and a sum over the world
+  /// would count each of them once per peer.
   at::Tensor reduce(const at::Tensor& tensor, const std::string& op = "sum") {
     if (op != "sum" && op != "mean" && op != "max")
       throw std::invalid_argument("accel: reduce op must be \"sum\", \"mean\" or \"max\", got \"" + op + "\"");
     at::Tensor out = tensor.clone();
+    auto& group = data_group();
     if (op == "max") {
-      comm_.all_reduce_max(out, "reduce(max)");
+      group.all_reduce_max(out, "reduce(max)");
       return out;
     }
-    comm_.all_reduce(out, "reduce(" + op + ")");
-    return op == "mean" ? out.div(num_processes()) : out;
+    group.all_reduce(out, "reduce(" + op + ")");
+    return op == "mean" ? out.div(group.size()) : out;
   }
 
   /// Every rank's `object` in rank order (Accelerate's gather_object), over

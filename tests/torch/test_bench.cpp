@@ -74,13 +74,14 @@ void check_traffic(const accel::bench::CaseResult& r, int world,
 }  // namespace
 
 TEST_SUITE("bench") {
-  TEST_CASE("bytes per step equal the formulas for DDP and ZeRO-1/2/3 on 2 and 3 ranks, padded or not") {
+  TEST_CASE("bytes per step equal the formulas for DDP, ZeRO-1/2/3 and offloaded ZeRO-2 on 2 and 3 ranks, padded or not") {
     for (int world : {2, 3}) {
       for (bool odd : {false, true}) {
         auto w = odd ? workload(odd_mlp, 5) : workload(even_mlp, 6);
         const auto results =
-            accel::bench::compare(w, quick(world), accel::DDP{}, accel::ZeRO<1>{}, accel::ZeRO<2>{}, accel::ZeRO<3>{});
-        REQUIRE(results.size() == 4);
+            accel::bench::compare(w, quick(world), accel::DDP{}, accel::ZeRO<1>{}, accel::ZeRO<2>{}, accel::ZeRO<3>{},
+                                  accel::ZeRO<2>{.cpu_offload = true});
+        REQUIRE(results.size() == 5);
         // fp32 gradients; P: the parameters, P': each bucket (one here) padded to the rank count.
         const std::uint64_t P = (odd ? 159 : 186) * 4;
         const std::uint64_t padded = (odd && world == 2 ? 160 : odd ? 159 : 186) * 4;
@@ -88,6 +89,8 @@ TEST_SUITE("bench") {
         check_traffic(results[1], world, {{Collective::all_reduce, padded}, {Collective::all_gather, padded}});
         check_traffic(results[2], world, {{Collective::reduce_scatter, padded}, {Collective::all_gather, padded}});
         check_traffic(results[3], world, {{Collective::all_gather, 2 * padded}, {Collective::reduce_scatter, padded}});
+        // cpu_offload moves the shards between device and host, not between ranks: ZeRO-2's traffic.
+        check_traffic(results[4], world, {{Collective::reduce_scatter, padded}, {Collective::all_gather, padded}});
         for (const auto& r : results) {
           CHECK(r.name != "");
           CHECK(r.step_ms.size() == 6u);  // 3 steps x 2 rounds

@@ -305,6 +305,8 @@ TEST_SUITE("estimate") {
     check(accel::ZeRO<1>{.cpu_offload = true}, "ZeRO-1 offload", 0);
     check(accel::ZeRO<2>{.cpu_offload = true}, "ZeRO-2 offload", P / 2);
     check(accel::ZeRO<3>{.cpu_offload = true}, "ZeRO-3 offload", P / 2);
+    // Sharded over groups of 2 on 4 ranks: ZeRO-3's figures, plus the replicas' all-reduce of the gradient shards.
+    check(accel::HybridShard{.shard_group_size = 2}, "HybridShard 2x2", P / 2, 4);
   }
 
   TEST_CASE("activation checkpointing: gradients bitwise equal to the plain backward through GPT blocks; the peak "

@@ -86,7 +86,8 @@ TEST_SUITE("loop") {
           }
           require(trainer.completed_steps() == steps, "one optimizer step per k micro-steps");
           const double diff = max_param_diff(*net, *reference);
-          require(diff < 1e-5, "max |accumulated DDP - big batch| = " + std::to_string(diff));
+          // measured (1.13): 1.5e-8
+          require(diff < 2e-7, "max |accumulated DDP - big batch| = " + sci(diff));
         },
         bounded());
   }
@@ -117,10 +118,12 @@ TEST_SUITE("loop") {
     accel::spawn(
         2,
         [](int rank) {
-          clipped_ddp_equals_one_process(rank, 1e-5, [](auto& trainer, torch::nn::Sequential& reference, int) {
+          clipped_ddp_equals_one_process(rank, 2e-7,  // measured (1.13): 1.5e-8
+                                         [](auto& trainer, torch::nn::Sequential& reference, int) {
             const double norm = trainer.clip_grad_norm(0.05);
             const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
-            require(std::abs(norm - ref_norm) < 1e-5, "global norm " + std::to_string(norm) + " vs " + std::to_string(ref_norm));
+            // measured (1.13): equal to the last bit; the bound allows float rounding of a sum in another order
+            require(std::abs(norm - ref_norm) < 1e-6 * ref_norm, "global norm " + std::to_string(norm) + " vs " + std::to_string(ref_norm));
             require(norm > 0.05, "the test must actually clip");
           });
         },

@@ -323,6 +323,8 @@ TEST_SUITE("zero") {
              "offloaded ZeRO-3 with accumulation and clipping");
       auto clipped = train(accel::ZeRO<2>{.bucket_cap_mb = cap, .cpu_offload = true}, rank, world, steps, b, 1, 0.05);
       within(max_param_diff(*clipped, *reference(steps, b * world, 0.05)), kFp32Bound, rank, "offloaded ZeRO-2 with clipping");
+      // The companion: clipping engaged, so the unclipped run is far outside the bound.
+      require(max_param_diff(*clipped, *reference(steps, b * world)) > 1e-3, "offloaded ZeRO-2: clipping changed nothing");
     }, bounded(180s));
   }
 

@@ -208,7 +208,8 @@ class Communicator {
 
   void all_reduce(at::Tensor& tensor, const std::string& what) {
     if (!distributed()) return;
-    if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { all_reduce(t, what); });
+    if (staged(tensor)) return through(tensor, at::Device(at::kCUDA), [&](at::Tensor& t) { all_reduce(t, what); });
+    if (widened(tensor)) return through(tensor, at::kFloat, [&](at::Tensor& t) { all_reduce(t, what); });
     all_reduce_async(tensor, what).wait();
   }
 
@@ -216,7 +217,8 @@ class Communicator {
   void all_reduce_max(at::Tensor& tensor, const std::string& what) {
     const profiling::Range range("accel::all_reduce_max", what);
     if (!distributed()) return;
-    if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { all_reduce_max(t, what); });
+    if (staged(tensor)) return through(tensor, at::Device(at::kCUDA), [&](at::Tensor& t) { all_reduce_max(t, what); });
+    if (widened(tensor)) return through(tensor, at::kFloat, [&](at::Tensor& t) { all_reduce_max(t, what); });
     count(Collective::all_reduce, bytes_of(tensor), tensor, what + " (maximum)");
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
@@ -228,7 +230,7 @@ class Communicator {
   void broadcast(at::Tensor& tensor, int root, const std::string& what) {
     const profiling::Range range("accel::broadcast", what);
     if (!distributed()) return;
-    if (staged(tensor)) return through_device(tensor, [&](at::Tensor& t) { broadcast(t, root, what); });
+    if (staged(tensor)) return through(tensor, at::Device(at::kCUDA), [&](at::Tensor& t) { broadcast(t, root, what); });
     count(Collective::broadcast, bytes_of(tensor), tensor, what + " (from rank " + std::to_string(root) + ")");
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions options;
@@ -437,11 +439,20 @@ class Communicator {
   // host tensors (a gradient norm, an overflow flag, a checkpoint verdict):
   // under NCCL those travel through the current GPU and back.
   bool staged(const at::Tensor& tensor) const { return kind_ == BackendKind::nccl && tensor.is_cpu(); }
-  template <class Collective>
-  static void through_device(at::Tensor& tensor, Collective&& collective) {
-    at::Tensor on_device = tensor.to(at::Device(at::kCUDA));
-    collective(on_device);
-    tensor.copy_(on_device);
+  // Gloo reduces bf16 in fp32, rounding once instead of at every hop of its
+  // ring (as comm/collectives.hpp's reduce-scatter does); 1.13's Gloo also
+  // refuses bf16 outright ("Invalid scalar type"). Tensor-parallel layers
+  // under BF16 all-reduce bf16 activations.
+  bool widened(const at::Tensor& tensor) const {
+    return kind_ == BackendKind::gloo && tensor.scalar_type() == at::kBFloat16;
+  }
+  // Runs `collective` on a copy of `tensor` converted to `to` (a device or a
+  // dtype), then copies the result back.
+  template <class To, class Collective>
+  static void through(at::Tensor& tensor, To to, Collective&& collective) {
+    at::Tensor converted = tensor.to(to);
+    collective(converted);
+    tensor.copy_(converted);
   }
 
   // How many sub-groups of this name this process has made in this job: the

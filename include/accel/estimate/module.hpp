@@ -35,21 +35,13 @@ namespace accel::estimate {
 /// require gradients, in registration order, by (dtype, device) kind and,
 /// given the optimizer, its parameter group.
 inline ModelShape shape_of(const torch::nn::Module& model, const torch::optim::Optimizer* optimizer = nullptr) {
-  ModelShape shape;
   std::vector<at::Tensor> params;
-  std::vector<std::pair<at::ScalarType, at::Device>> kinds;
-  for (const auto& item : model.named_parameters()) {
-    const auto& p = item.value();
-    if (!p.requires_grad()) continue;
-    const std::pair<at::ScalarType, at::Device> kind{p.scalar_type(), p.device()};
-    auto found = std::find(kinds.begin(), kinds.end(), kind);
-    if (found == kinds.end()) found = kinds.insert(kinds.end(), kind);
-    shape.params.push_back({.numel = p.numel(),
-                            .element_size = static_cast<std::int64_t>(p.element_size()),
-                            .kind = static_cast<int>(found - kinds.begin()),
-                            .group = optimizer != nullptr ? strategy::optimizer_group_of(optimizer->param_groups(), p) : 0});
-    params.push_back(p);
-  }
+  for (const auto& item : model.named_parameters())
+    if (item.value().requires_grad()) params.push_back(item.value());
+  ModelShape shape;
+  shape.params = strategy::parameter_slots(params, [&](const at::Tensor& p) {
+    return optimizer != nullptr ? strategy::optimizer_group_of(optimizer->param_groups(), p) : 0;
+  });
   shape.tree = strategy::module_tree(model, params);
   return shape;
 }

@@ -13,6 +13,22 @@
 // Each rank's slice comes from the same full initialisation (same seed on
 // every rank, or `from_full`), so a tensor-parallel model starts from
 // exactly the weights of its unsharded twin.
+//
+// NOTE [Sequence parallelism]
+// Megatron's sequence parallelism: between a row-parallel layer and the next
+// column-parallel one (norms, dropout, residual adds), activations are split
+// along their first dimension (the sequence, or the rows of a batch) instead
+// of replicated, so each rank holds and computes 1/T of them. The all-reduce
+// of a pair becomes an all-gather before the column layer and a
+// reduce-scatter after the row layer (the same bytes):
+//   scatter_to_sequence_parallel:  forward this rank's rows,  backward all-gather of rows
+//   gather_from_sequence_parallel: forward all-gather of rows, backward this rank's rows
+//   column layer's input (inside):  forward all-gather of rows, backward reduce-scatter of rows
+//                                    (keeping only this rank's rows, gathered again in backward)
+//   row layer's output (inside):    forward reduce-scatter of rows, backward all-gather of rows
+// Parameters applied to the split rows (a norm's, the row layer's bias) get
+// only this rank's part of their gradient: sequence_parallel_gradients (and
+// the row layer itself, for its bias) all-reduce it over the tensor group.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
@@ -30,8 +46,9 @@
 #include <string>
 #include <vector>
 
-#include "accel/nn/tensor_parallel_layer.hpp"
+#include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
+#include "accel/nn/tensor_parallel_layer.hpp"
 
 namespace accel::nn {
 
@@ -82,6 +99,112 @@ struct GatherFromTensorParallel : torch::autograd::Function<GatherFromTensorPara
   }
 };
 
+// The rows of `x` (its first dimension) that rank r of `group` holds under
+// sequence parallelism; the row count must divide by the group size.
+inline std::int64_t rows_per_rank(const at::Tensor& x, const comm::Communicator& group) {
+  if (x.dim() == 0 || x.size(0) % group.size() != 0)
+    throw std::invalid_argument("accel sequence parallel: " + std::to_string(x.dim() == 0 ? 0 : x.size(0)) +
+                                " rows do not divide by the tensor-parallel size " + std::to_string(group.size()));
+  return x.size(0) / group.size();
+}
+
+inline at::Tensor all_gather_equal_rows(comm::Communicator& group, const at::Tensor& x, const std::string& what) {
+  return at::cat(group.all_gather(x.contiguous(), what), 0);
+}
+
+// This rank's rows of the sum over the group of `x` (every rank's full rows).
+inline at::Tensor reduce_scatter_rows(comm::Communicator& group, const at::Tensor& x, const std::string& what) {
+  const std::int64_t rows = rows_per_rank(x, group);
+  std::vector<std::int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape[0] = rows;
+  return comm::reduce_scatter(group, x.contiguous().reshape({-1}), what).reshape(shape);
+}
+
+struct ScatterToSequenceParallel : torch::autograd::Function<ScatterToSequenceParallel> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, std::int64_t group) {
+    auto& g = *reinterpret_cast<comm::Communicator*>(group);
+    ctx->saved_data["group"] = group;
+    const std::int64_t rows = rows_per_rank(x, g);
+    return x.narrow(0, g.rank() * rows, rows).clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {all_gather_equal_rows(int_to_group(ctx->saved_data["group"]), grads[0], "sequence-parallel all-gather (backward of scatter)"),
+            at::Tensor()};
+  }
+};
+
+// Leaving the split: replicated computation follows, so every rank's
+// gradient is whole and backward takes this rank's rows of it.
+struct GatherFromSequenceParallel : torch::autograd::Function<GatherFromSequenceParallel> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, std::int64_t group) {
+    ctx->saved_data["group"] = group;
+    return all_gather_equal_rows(*reinterpret_cast<comm::Communicator*>(group), x, "sequence-parallel all-gather");
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto& g = int_to_group(ctx->saved_data["group"]);
+    const std::int64_t rows = rows_per_rank(grads[0], g);
+    return {grads[0].narrow(0, g.rank() * rows, rows).contiguous(), at::Tensor()};
+  }
+};
+
+// The column layer under sequence parallelism, as Megatron does it: the
+// input's rows are all-gathered for the matmul, but only this rank's rows are
+// kept for backward, which gathers them again (the whole input would
+// otherwise stay allocated until backward, undoing the saving). Computes in
+// the incoming gradient's dtype: under autocast that of the bf16 forward.
+struct SequenceParallelColumnLinear : torch::autograd::Function<SequenceParallelColumnLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& weight,
+                            const at::Tensor& bias, std::int64_t group) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["bias"] = bias.defined();
+    ctx->save_for_backward({rows, weight});
+    auto& g = *reinterpret_cast<comm::Communicator*>(group);
+    return at::linear(all_gather_equal_rows(g, rows, "sequence-parallel all-gather (column layer)"), weight, bias);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& rows = saved[0];
+    const at::Tensor& weight = saved[1];
+    auto& g = int_to_group(ctx->saved_data["group"]);
+    const at::Tensor grad = grads[0].contiguous();  // (N, ..., out/T)
+    const auto dtype = grad.scalar_type();
+    const at::Tensor whole =
+        all_gather_equal_rows(g, rows, "sequence-parallel all-gather (column layer, again in backward)").to(dtype);
+    const at::Tensor grad_2d = grad.reshape({-1, grad.size(-1)});
+    const at::Tensor grad_weight = grad_2d.t().mm(whole.reshape({-1, whole.size(-1)})).to(weight.scalar_type());
+    const at::Tensor grad_bias = ctx->saved_data["bias"].toBool() ? grad_2d.sum(0).to(weight.scalar_type()) : at::Tensor();
+    const at::Tensor grad_rows = reduce_scatter_rows(g, grad.matmul(weight.to(dtype)),
+                                                     "sequence-parallel reduce-scatter (column layer backward)");
+    return {grad_rows.to(rows.scalar_type()), grad_weight, grad_bias, at::Tensor()};
+  }
+};
+
+struct ReduceScatterToSequenceParallel : torch::autograd::Function<ReduceScatterToSequenceParallel> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, std::int64_t group) {
+    ctx->saved_data["group"] = group;
+    return reduce_scatter_rows(*reinterpret_cast<comm::Communicator*>(group), x, "sequence-parallel reduce-scatter");
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {all_gather_equal_rows(int_to_group(ctx->saved_data["group"]), grads[0],
+                            "sequence-parallel all-gather (backward of reduce-scatter)"),
+            at::Tensor()};
+  }
+};
+
+// Sums a parameter's gradient over the tensor group as backward produces it.
+inline void all_reduce_gradient_over(at::Tensor& parameter, comm::Communicator& group) {
+  comm::Communicator* g = &group;
+  parameter.register_hook([g](at::Tensor grad) -> at::Tensor {
+    at::Tensor sum = grad.contiguous().clone();
+    g->all_reduce(sum, "sequence-parallel all-reduce of a parameter's gradient");
+    return sum;
+  });
+}
+
 inline std::int64_t slice_of(std::int64_t total, const comm::Communicator& group, const char* what) {
   if (total % group.size() != 0)
     throw std::invalid_argument(std::string("accel tensor parallel: ") + what + " " + std::to_string(total) +
@@ -103,6 +226,27 @@ inline at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, comm::Communi
 inline at::Tensor gather_from_tensor_parallel(const at::Tensor& x, comm::Communicator& group) {
   return detail::GatherFromTensorParallel::apply(x, detail::pointer_to_int(&group));
 }
+
+/// Sequence parallelism (NOTE [Sequence parallelism]): enter it, taking this
+/// rank's rows of a replicated `x`.
+inline at::Tensor scatter_to_sequence_parallel(const at::Tensor& x, comm::Communicator& group) {
+  return detail::ScatterToSequenceParallel::apply(x, detail::pointer_to_int(&group));
+}
+/// Leave sequence parallelism: every rank's rows, whole and replicated.
+inline at::Tensor gather_from_sequence_parallel(const at::Tensor& x, comm::Communicator& group) {
+  return detail::GatherFromSequenceParallel::apply(x, detail::pointer_to_int(&group));
+}
+/// For the parameters of modules applied to split rows (a LayerNorm between
+/// sequence-parallel layers): their gradients are summed over the tensor
+/// group during backward, so every rank steps the whole gradient.
+inline void sequence_parallel_gradients(torch::nn::Module& module, comm::Communicator& group) {
+  for (auto& p : module.parameters())
+    if (p.requires_grad()) detail::all_reduce_gradient_over(p, group);
+}
+
+/// The tag that makes a column- or row-parallel layer sequence-parallel.
+struct SequenceParallel {};
+inline constexpr SequenceParallel sequence_parallel{};
 
 /// Output features split over the tensor group: weight (out/T, in), bias (out/T).
 class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelLayer {
@@ -134,10 +278,19 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
   ColumnParallelLinearImpl(std::int64_t in, std::int64_t out, comm::Communicator& group, bool gather_output = false,
                            std::int64_t stride = 1)
       : ColumnParallelLinearImpl(torch::nn::Linear(in, out), group, gather_output, stride) {}
+  /// Sequence-parallel: the input arrives as this rank's rows (N/T, ..., in)
+  /// and is all-gathered; the output is (N, ..., out/T) as without it.
+  ColumnParallelLinearImpl(const torch::nn::Linear& full, comm::Communicator& group, SequenceParallel,
+                           std::int64_t stride = 1)
+      : ColumnParallelLinearImpl(full, group, false, stride) {
+    sequence_parallel_ = true;
+  }
 
   /// (..., in) replicated -> (..., out/T) split, or (..., out) with gather_output.
   at::Tensor forward(const at::Tensor& x) {
-    auto y = at::linear(copy_to_tensor_parallel(x, *group_), weight, bias);
+    auto y = sequence_parallel_
+                 ? detail::SequenceParallelColumnLinear::apply(x, weight, bias, detail::pointer_to_int(group_))
+                 : at::linear(copy_to_tensor_parallel(x, *group_), weight, bias);
     return gather_output_ ? gather_from_tensor_parallel(y, *group_) : y;
   }
 
@@ -146,6 +299,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
  private:
   comm::Communicator* group_;
   bool gather_output_;
+  bool sequence_parallel_ = false;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -162,17 +316,30 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelLay
   }
   RowParallelLinearImpl(std::int64_t in, std::int64_t out, comm::Communicator& group)
       : RowParallelLinearImpl(torch::nn::Linear(in, out), group) {}
+  /// Sequence-parallel: the output is reduce-scattered into this rank's rows
+  /// (N/T, ..., out); the bias, added to those rows, has its gradient summed
+  /// over the tensor group.
+  RowParallelLinearImpl(const torch::nn::Linear& full, comm::Communicator& group, SequenceParallel)
+      : RowParallelLinearImpl(full, group) {
+    sequence_parallel_ = true;
+    if (bias.defined()) detail::all_reduce_gradient_over(bias, group);
+  }
 
-  /// (..., in/T) split -> (..., out) replicated.
+  /// (..., in/T) split -> (..., out) replicated, or this rank's rows of it.
   at::Tensor forward(const at::Tensor& x) {
-    auto y = reduce_from_tensor_parallel(at::linear(x, weight), *group_);
-    return bias.defined() ? y + bias : y;
+    auto partial = at::linear(x, weight);
+    auto y = sequence_parallel_ ? detail::ReduceScatterToSequenceParallel::apply(partial, detail::pointer_to_int(group_))
+                                : reduce_from_tensor_parallel(partial, *group_);
+    // The bias in the output's dtype: under autocast a whole Linear adds it
+    // inside its bf16 matmul and returns bf16; fp32 + bf16 would promote.
+    return bias.defined() ? y + bias.to(y.scalar_type()) : y;
   }
 
   at::Tensor weight, bias;
 
  private:
   comm::Communicator* group_;
+  bool sequence_parallel_ = false;
 };
 TORCH_MODULE(RowParallelLinear);
 

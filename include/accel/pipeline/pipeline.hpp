@@ -4,7 +4,7 @@
 //
 // NOTE [Pipeline schedules]
 // Stage s of p runs m micro-batches. Activations go forward to s+1 and their
-// gradients back to s-1 with send/recv (a small shape header first, so the
+// gradients back to s-1 with send/recv (a small dtype and shape header first, so the
 // receiver can size its buffer). Each micro-batch's loss (last stage) is
 // divided by m, so the accumulated gradients equal one step on the whole
 // batch; the optimizer then steps once.
@@ -83,8 +83,12 @@ class Pipeline {
 
   /// One training step's forwards and backwards over `inputs` (read by the
   /// first stage) and `targets` (read by the last); gradients accumulate in
-  /// this stage's parameters. Returns the mean loss, on every stage.
-  double train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn) {
+  /// this stage's parameters, of the mean loss times `loss_multiplier` (the
+  /// FP16 loss scale over the gradient accumulation steps). Returns the mean
+  /// loss, on every stage.
+  double train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn,
+                    double loss_multiplier = 1.0) {
+    loss_multiplier_ = loss_multiplier;
     const int m = options_.micro_batches;
     if (inputs.size(0) % m != 0)
       throw std::invalid_argument("accel pipeline: batch of " + std::to_string(inputs.size(0)) +
@@ -159,7 +163,7 @@ class Pipeline {
 
   void backward(int i) {
     auto& held = held_[i];
-    if (last()) held.loss.backward();
+    if (last()) (loss_multiplier_ == 1.0 ? held.loss : held.loss * loss_multiplier_).backward();
     else held.output.backward(receive(stage_index() + 1, tag(i, true)));
     if (!first()) send(held.input.grad(), stage_index() - 1, tag(i, true));
     held_bytes_ -= bytes(held.input) + bytes(held.output);
@@ -169,11 +173,18 @@ class Pipeline {
 
   static int tag(int micro_batch, bool gradient) { return 2 * micro_batch + (gradient ? 1 : 0); }
 
-  // A shape header (rank, then up to 7 sizes) precedes every tensor.
+  // A header (the dtype, the rank, then up to 7 sizes) precedes every
+  // tensor: under autocast a stage's output is bf16 while its parameters
+  // are fp32, and a buffer of the wrong width would take the bytes silently.
+  static constexpr int header_length = 9;
   void send(const at::Tensor& t, int to, int tag) {
-    std::vector<std::int64_t> header(8, 0);
-    header[0] = t.dim();
-    for (int d = 0; d < t.dim(); ++d) header[d + 1] = t.size(d);
+    if (t.dim() > header_length - 2)
+      throw std::invalid_argument("accel pipeline: a stage's output has " + std::to_string(t.dim()) +
+                                  " dimensions; at most " + std::to_string(header_length - 2) + " cross stages");
+    std::vector<std::int64_t> header(header_length, 0);
+    header[0] = static_cast<std::int64_t>(t.scalar_type());
+    header[1] = t.dim();
+    for (int d = 0; d < t.dim(); ++d) header[d + 2] = t.size(d);
     auto shape = at::tensor(header);
     auto data = t.contiguous();
     const std::string what = "pipeline send to stage " + std::to_string(to);
@@ -184,15 +195,16 @@ class Pipeline {
   }
 
   at::Tensor receive(int from, int tag) {
-    auto header = at::empty({8}, at::TensorOptions().dtype(at::kLong));
+    auto header = at::empty({header_length}, at::TensorOptions().dtype(at::kLong));
     const std::string what = "pipeline receive from stage " + std::to_string(from);
     const auto waiting = std::chrono::steady_clock::now();
     group_->recv_async(header, from, 1000000 + tag, what).wait();
     wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
     std::vector<std::int64_t> sizes;
-    for (int d = 0; d < header[0].item<std::int64_t>(); ++d) sizes.push_back(header[d + 1].item<std::int64_t>());
+    for (int d = 0; d < header[1].item<std::int64_t>(); ++d) sizes.push_back(header[d + 2].item<std::int64_t>());
     auto params = parameters();
-    auto data = at::empty(sizes, params.empty() ? at::TensorOptions() : params.front().options().requires_grad(false));
+    auto options = params.empty() ? at::TensorOptions() : params.front().options().requires_grad(false);
+    auto data = at::empty(sizes, options.dtype(static_cast<at::ScalarType>(header[0].item<std::int64_t>())));
     group_->recv_async(data, from, tag, what).wait();
     return data;
   }
@@ -203,6 +215,7 @@ class Pipeline {
   std::vector<at::Tensor> inputs_, targets_;
   std::vector<Held> held_;
   std::vector<comm::Pending> sends_;
+  double loss_multiplier_ = 1.0;
   std::vector<at::Tensor> kept_;  // tensors being sent stay alive until their send completes
   double loss_sum_ = 0;
   int in_flight_ = 0, peak_ = 0;

@@ -435,16 +435,7 @@ class BucketedEngineBase : public EngineDefaults {
     s.bucket_of.assign(n, 0);
     s.ready.assign(n, 0);
     s.grad_views.resize(n);
-    std::vector<std::pair<at::ScalarType, at::Device>> kinds;  // distinct (dtype, device), numbered
-    std::vector<ParameterSlot> slots;
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto& p = s.params[i];
-      const std::pair<at::ScalarType, at::Device> kind{p.scalar_type(), p.device()};
-      auto found = std::find(kinds.begin(), kinds.end(), kind);
-      if (found == kinds.end()) found = kinds.insert(kinds.end(), kind);
-      slots.push_back({p.numel(), static_cast<std::int64_t>(p.element_size()),
-                       static_cast<int>(found - kinds.begin()), group_of(p), unit_of ? unit_of(i) : 0});
-    }
+    const auto slots = parameter_slots(s.params, group_of, unit_of);
     PlanSettings plan{.caps = std::nullopt, .pad_to_multiple = s.settings.pad_to_multiple};
     if (s.settings.size_capped) plan.caps = BucketCaps{s.settings.first_bucket_cap_mb, s.settings.bucket_cap_mb};
     std::vector<detail::Bucket> planned;

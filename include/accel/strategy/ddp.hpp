@@ -83,7 +83,8 @@ class DDPEngine : public BucketedEngineBase {
     if (comm_hook_ != CommHook::bf16 || !s.comm->distributed()) return;
     auto probe = at::zeros({1}, s.params.front().options().dtype(at::kBFloat16).requires_grad(false));
     try {
-      s.comm->all_reduce(probe, "bf16 support probe");
+      // The asynchronous form, as the buckets use it: the blocking one sums bf16 in fp32 on Gloo.
+      s.comm->all_reduce_async(probe, "bf16 support probe").wait();
     } catch (const comm::CollectiveError& e) {
       throw std::runtime_error(std::string("accel DDP: comm_hook = CommHook::bf16, but this backend cannot all-reduce "
                                            "bf16 tensors (Gloo before LibTorch 2.x): use CommHook::fp16 or "

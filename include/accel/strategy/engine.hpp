@@ -112,7 +112,7 @@ class EngineDefaults {
   /// Pipeline parallelism runs its own schedule of forwards and backwards.
   bool pipelined() const { return false; }
   template <class LossFn>
-  double pipeline_step(const at::Tensor&, const at::Tensor&, LossFn&&) {
+  double pipeline_step(const at::Tensor&, const at::Tensor&, LossFn&&, double /*loss_multiplier*/, bool /*sync*/) {
     throw std::logic_error("accel: pipeline_step on an engine without pipeline parallelism");
   }
 

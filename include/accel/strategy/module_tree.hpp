@@ -7,8 +7,12 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
+#include <functional>
+#include <utility>
 #include <vector>
 
+#include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/unit_plan.hpp"
 
 namespace accel::strategy {
@@ -34,6 +38,28 @@ inline int optimizer_group_of(const std::vector<torch::optim::OptimizerParamGrou
     for (const auto& q : groups[g].params())
       if (q.is_same(p)) return static_cast<int>(g);
   return -1;
+}
+
+/// The bucket planner's view of `params`, in order: size, element size,
+/// kind (each distinct dtype and device numbered as first seen), optimizer
+/// group (`group_of`) and unit (`unit_of`, by index; 0 without).
+inline std::vector<ParameterSlot> parameter_slots(const std::vector<at::Tensor>& params,
+                                                  const std::function<int(const at::Tensor&)>& group_of,
+                                                  const std::function<int(std::size_t)>& unit_of = nullptr) {
+  std::vector<std::pair<at::ScalarType, at::Device>> kinds;
+  std::vector<ParameterSlot> slots;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    const std::pair<at::ScalarType, at::Device> kind{p.scalar_type(), p.device()};
+    auto found = std::find(kinds.begin(), kinds.end(), kind);
+    if (found == kinds.end()) found = kinds.insert(kinds.end(), kind);
+    slots.push_back({.numel = p.numel(),
+                     .element_size = static_cast<std::int64_t>(p.element_size()),
+                     .kind = static_cast<int>(found - kinds.begin()),
+                     .group = group_of(p),
+                     .unit = unit_of ? unit_of(i) : 0});
+  }
+  return slots;
 }
 
 }  // namespace accel::strategy

@@ -113,14 +113,17 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
     return {&mesh_.world(), *norm_masks_};
   }
 
-  /// One pipelined step's forwards and backwards (NOTE [Pipeline schedules]);
-  /// the data-parallel reduction is launched at its end. Returns the loss.
+  /// One pipelined step's forwards and backwards (NOTE [Pipeline schedules])
+  /// of the loss times `loss_multiplier`; on a micro-step that synchronises
+  /// (`sync`), the data-parallel reduction is launched at its end. Returns
+  /// the loss.
   template <class LossFn>
-  double pipeline_step(const at::Tensor& inputs, const at::Tensor& targets, LossFn&& loss_fn) {
+  double pipeline_step(const at::Tensor& inputs, const at::Tensor& targets, LossFn&& loss_fn, double loss_multiplier,
+                       bool sync) {
     this->inner_.set_gradient_sync(false);
     this->inner_.before_backward(at::Tensor());
-    const double loss = pipeline_->train_step(inputs, targets, std::forward<LossFn>(loss_fn));
-    this->inner_.launch_all_buckets();
+    const double loss = pipeline_->train_step(inputs, targets, std::forward<LossFn>(loss_fn), loss_multiplier);
+    if (sync) this->inner_.launch_all_buckets();
     return loss;
   }
   bool pipelined() const { return pipeline_.has_value(); }
