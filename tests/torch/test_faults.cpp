@@ -97,6 +97,10 @@ TEST_SUITE("faults") {
         require(what.find("did not reach this collective") == std::string::npos, what);
         require(what.find("Invalid scalar type") != std::string::npos, what);  // Gloo's own reason, kept
         require(seconds < 15, "within half the 30 s timeout: " + std::to_string(seconds) + " s");
+        // Neither rank leaves before the other has read its error: a rank that exits takes the store it
+        // hosts with it, and the other's diagnosis would then call it gone (seen once in CI). The refused
+        // collective never reached the wire, so the group still agrees on what comes next.
+        trainer.wait_for_everyone();
         return;
       }
       require(false, "Gloo reduced an int16 tensor: pick another dtype it refuses for this test");
