@@ -397,9 +397,11 @@ TEST_CASE("launch: a failing rank takes the job down and nothing is left running
 TEST_CASE("launch: --max_restarts starts the whole job again after a rank fails, then gives up naming it") {
   TempDir dir;
   // Rank 1 fails in the first two starts; each start sees its restart count (torchrun's variables).
+  // It fails 0.3 s after its line, so that rank 0 has written its own before the launcher stops it
+  // (failing at once, rank 0 was once stopped before its echo ran).
   const std::string script =
       "echo \"start $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS port $MASTER_PORT\"; "
-      "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" -lt 2 ]; then exit 3; fi; sleep 0.2";
+      "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" -lt 2 ]; then sleep 0.3; exit 3; fi; sleep 0.6";
   auto r = launch_sh({"--num_processes", "2", "--max_restarts", "2"}, script, dir);
   INFO(r);
   REQUIRE(r.exited);
