@@ -1,7 +1,8 @@
 // Tensor- and pipeline-parallel measurements, on 2 ranks:
 //   accel launch --num_processes 2 build/bench/parallel_bench --mode bubble
-//     pipeline bubble fraction of GPipe and 1F1B for m = 1, 2, 4, 8
-//     micro-batches against (p-1)/(m+p-1), and peak activation memory;
+//     pipeline bubble fraction of GPipe, 1F1B and interleaved 1F1B (v = 2
+//     virtual stages) for m = 1, 2, 4, 8 micro-batches against
+//     (p-1)/(v*m+p-1) (v = 1 but interleaved), and peak activation memory;
 //   accel launch --num_processes 2 build/bench/parallel_bench --mode tp_bytes
 //     all-reduces and bytes per transformer layer under tensor parallelism
 //     against Megatron-LM's count (2 forward + 2 backward of B*S*H).
@@ -54,10 +55,13 @@ int bubble(accel::Trainer<accel::DDP>& world) {
     model->push_back(torch::nn::Tanh());
   }
   world.print("pipeline bubble,", p, "stages, 8 x Linear(1024, 1024) in all, 64 samples per micro-batch");
-  world.print("schedule  m  measured_bubble  ideal_(p-1)/(m+p-1)  peak_micro_batches_held  peak_activation_KiB");
-  for (auto schedule : {accel::pipeline::Schedule::gpipe, accel::pipeline::Schedule::one_f_one_b}) {
+  world.print("schedule     m  measured_bubble  ideal_(p-1)/(v*m+p-1)  peak_micro_batches_held  peak_activation_KiB");
+  using accel::pipeline::Schedule;
+  for (auto schedule : {Schedule::gpipe, Schedule::one_f_one_b, Schedule::interleaved_one_f_one_b}) {
+    const int v = schedule == Schedule::interleaved_one_f_one_b ? 2 : 1;
     for (int m : {1, 2, 4, 8}) {
-      accel::pipeline::Pipeline pipe(model, group, {.micro_batches = m, .schedule = schedule});
+      if (v > 1 && m % p != 0) continue;  // interleaving runs micro-batches in groups of p
+      accel::pipeline::Pipeline pipe(model, group, {.micro_batches = m, .schedule = schedule, .virtual_stages = v});
       std::vector<double> fractions;
       for (int step = 0; step < 8; ++step) {
         auto x = at::randn({64 * m, 1024});
@@ -75,9 +79,9 @@ int bubble(accel::Trainer<accel::DDP>& world) {
       peak[1] = static_cast<double>(pipe.peak_activation_bytes());
       group.all_reduce_max(peak, "peak activations");
       if (world.is_main_process())
-        std::printf("%-8s %2d  %15.3f  %19.3f  %23d  %19.1f\n",
-                    schedule == accel::pipeline::Schedule::gpipe ? "gpipe" : "1f1b", m, median(fractions),
-                    double(p - 1) / (m + p - 1), static_cast<int>(peak[0].item<double>()), peak[1].item<double>() / 1024);
+        std::printf("%-11s %2d  %15.3f  %21.3f  %23d  %19.1f\n",
+                    schedule == Schedule::gpipe ? "gpipe" : v > 1 ? "interleaved" : "1f1b", m, median(fractions),
+                    double(p - 1) / (v * m + p - 1), static_cast<int>(peak[0].item<double>()), peak[1].item<double>() / 1024);
     }
   }
   return 0;

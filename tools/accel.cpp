@@ -36,6 +36,7 @@ const char* const main_usage =
     "  config   write a JSON config file for accel launch (accel config default: defaults only)\n"
     "  env      show accel's version, the machine, the default config and launcher variables\n"
     "  export   copy a checkpoint's full model to one file: accel export <checkpoint dir> <model.pt>\n"
+    "  merge-weights  join a sharded checkpoint's model into one file, offline: accel merge-weights <dir> <model.pt>\n"
     "  test     launch the bundled self-test on this set-up (rendezvous, collectives, RNG, data sharding)\n"
     "  estimate-memory  per-rank memory of a model shape under each strategy: accel estimate-memory gpt|mlp\n"
     "\n"
@@ -150,13 +151,29 @@ int config_command(const std::vector<std::string>& args) {
   return 0;
 }
 
-// accel-selftest: $ACCEL_SELFTEST, else beside this executable (the build
-// folder, or the installed bin/).
-std::filesystem::path selftest_program() {
-  if (const char* given = std::getenv("ACCEL_SELFTEST"); given && *given) return given;
+// A companion program that links LibTorch (accel-selftest, accel-merge-weights):
+// $<variable>, else beside this executable (the build folder, or the installed bin/).
+std::filesystem::path companion_program(const char* name, const char* variable) {
+  if (const char* given = std::getenv(variable); given && *given) return given;
   std::error_code ec;
   const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return (ec ? std::filesystem::path(".") : self.parent_path()) / "accel-selftest";
+  return (ec ? std::filesystem::path(".") : self.parent_path()) / name;
+}
+std::filesystem::path selftest_program() { return companion_program("accel-selftest", "ACCEL_SELFTEST"); }
+
+// Runs accel-merge-weights with `args` in place of this process.
+[[noreturn]] void run_merge_weights(const std::vector<std::string>& args) {
+  const auto program = companion_program("accel-merge-weights", "ACCEL_MERGE_WEIGHTS");
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(program, ec))
+    throw UsageError("the merge program " + program.string() + " is missing: build it (ninja -C build " +
+                     "tools/accel-merge-weights) or point ACCEL_MERGE_WEIGHTS at it");
+  std::vector<char*> argv{const_cast<char*>(program.c_str())};
+  for (const auto& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+  std::fflush(nullptr);
+  ::execv(program.c_str(), argv.data());
+  throw std::runtime_error("could not run " + program.string());
 }
 
 int test_command(const std::vector<std::string>& args) {
@@ -224,6 +241,9 @@ int export_command(const std::vector<std::string>& args) {
     else positional.push_back(args[i]);
   }
   if (positional.size() != 2) throw UsageError("expected <checkpoint dir> <model.pt> (usage: accel export --help)");
+  // A sharded model is joined by the program that links LibTorch.
+  if (accel::checkpoint::read_manifest(positional[0]).value("model_state_dict", std::string()) == "SHARDED_STATE_DICT")
+    run_merge_weights(args);
   accel::checkpoint::export_model(positional[0], positional[1], model);
   std::printf("accel export: wrote %s\n", positional[1].c_str());
   return 0;
@@ -252,9 +272,10 @@ int main(int argc, char** argv) {
     if (command == "config") return config_command(args);
     if (command == "env") return env_command(args);
     if (command == "export") return export_command(args);
+    if (command == "merge-weights") run_merge_weights(args);
     if (command == "test") return test_command(args);
     if (command == "estimate-memory") return estimate_command(args);
-    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env, export, test, estimate-memory; see accel --help)\n",
+    std::fprintf(stderr, "accel: unknown command '%s' (commands: launch, config, env, export, merge-weights, test, estimate-memory; see accel --help)\n",
                  command.c_str());
     return exit_usage;
   } catch (const UsageError& e) {

@@ -649,6 +649,9 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     void gather_full_parameters() override { engine_.gather_full_parameters(); }
     void release_full_parameters(strategy::FullParameters what) override { engine_.release_full_parameters(what); }
     void parameters_loaded() override { engine_.parameters_loaded(); }
+    std::optional<strategy::ShardedParameters> sharded_parameters() const override {
+      return engine_.sharded_parameters();
+    }
 
    private:
     engine_type& engine_;

@@ -539,12 +539,18 @@ TEST_CASE("launch: config file values, flag overrides, nested sections") {
     const std::string fsdp = dir.file("fsdp.json");
     write_file(fsdp, R"({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": false}})");
     auto r = launch_sh({"--config_file", fsdp, "--use_fsdp", "--fsdp_offload_params", "true", "--fsdp_auto_wrap_policy",
-                        "SIZE_BASED_WRAP", "--fsdp_min_num_params", "1000", "-q"},
-                       "echo \"$ACCELERATE_USE_FSDP $FSDP_OFFLOAD_PARAMS $FSDP_AUTO_WRAP_POLICY $FSDP_MIN_NUM_PARAMS\"",
+                        "SIZE_BASED_WRAP", "--fsdp_min_num_params", "1000", "--fsdp_state_dict_type",
+                        "SHARDED_STATE_DICT", "-q"},
+                       "echo \"$ACCELERATE_USE_FSDP $FSDP_OFFLOAD_PARAMS $FSDP_AUTO_WRAP_POLICY $FSDP_MIN_NUM_PARAMS "
+                       "$FSDP_STATE_DICT_TYPE\"",
                        dir);
     INFO(r);
     CHECK(r.status == 0);
-    CHECK(r.out == "[rank 0] true true SIZE_BASED_WRAP 1000\n");
+    CHECK(r.out == "[rank 0] true true SIZE_BASED_WRAP 1000 SHARDED_STATE_DICT\n");
+    auto local = launch_sh({"--fsdp_state_dict_type", "LOCAL_STATE_DICT"}, "echo SHOULD-NOT-RUN", dir);
+    INFO(local);
+    CHECK(local.status == 2);
+    CHECK(contains(local.err, "--fsdp_state_dict_type must be one of FULL_STATE_DICT, SHARDED_STATE_DICT"));
     auto bad = launch_sh({"--fsdp_auto_wrap_policy", "BY_SIZE"}, "echo SHOULD-NOT-RUN", dir);
     INFO(bad);
     CHECK(bad.status == 2);
@@ -876,7 +882,8 @@ TEST_CASE("estimate-memory: per-rank bytes of a shape under each strategy, hand-
   }
 }
 
-TEST_CASE("export: copies a checkpoint's model file; refuses an incomplete one and a model cut into parts") {
+TEST_CASE("export: copies a checkpoint's model file; refuses an incomplete one and a model cut into parts; a sharded "
+          "one needs accel-merge-weights") {
   TempDir dir;
   const std::string model_bytes = "not really a torch file, but 40 bytes..";
   auto make_checkpoint = [&](const std::string& name, const nlohmann::json& extra) {
@@ -906,4 +913,15 @@ TEST_CASE("export: copies a checkpoint's model file; refuses an incomplete one a
 
   auto usage = run_accel({"export", dir.file("whole")}, dir);
   CHECK_MESSAGE((usage.exited && usage.status == 2), usage);
+
+  // A sharded model is joined by accel-merge-weights (it links LibTorch;
+  // the checkpoint suite runs it for real): without it, both commands say so.
+  make_checkpoint("sharded", {{"model_state_dict", "SHARDED_STATE_DICT"}});
+  const std::map<std::string, std::string> no_merger{{"ACCEL_MERGE_WEIGHTS", dir.file("no-such-program")}};
+  for (const std::string command : {"merge-weights", "export"}) {
+    auto missing = run_accel({command, dir.file("sharded"), dir.file("merged.pt")}, dir, no_merger);
+    CHECK_MESSAGE((missing.exited && missing.status == 2), missing);
+    CHECK(missing.err.find("the merge program " + dir.file("no-such-program") + " is missing") != std::string::npos);
+    CHECK_FALSE(fs::exists(dir.file("merged.pt")));
+  }
 }

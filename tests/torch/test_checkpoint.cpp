@@ -11,9 +11,13 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <thread>
+#include <type_traits>
 
+#include "accel/checkpoint/sharded.hpp"
+#include "accel/device/allocation_counter.hpp"
 #include "accel/nn/tensor_parallel.hpp"
 #include "doctest_torch.hpp"
 
@@ -93,11 +97,79 @@ void interrupted_equals_uninterrupted(const fs::path& dir, std::int64_t k, std::
   require_identical(resumed, *resumed_opt, straight, *straight_opt);
 }
 
+// ZeRO-3 with units of at least 50 parameters (tiny_mlp: three) whose
+// checkpoints hold the model as `type` says.
+accel::ZeRO<3> zero3_saving(accel::StateDictType type) {
+  return {.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 50, .state_dict_type = type};
+}
+constexpr auto sharded_state = accel::StateDictType::SHARDED_STATE_DICT;
+constexpr auto full_state = accel::StateDictType::FULL_STATE_DICT;
+
 // The largest element-wise distance between two lists of tensors.
 double max_distance(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   double worst = 0;
   for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
   return worst;
+}
+
+// `net`, saved after step k on `saved` ranks and resumed to step n on
+// `world` (b samples per rank), against one process on the same global
+// batches; the companion: the resumed steps moved it far beyond the bound.
+void require_matches_one_process(torch::nn::Sequential& net, int saved, int world, std::int64_t b, std::int64_t k,
+                                 std::int64_t n) {
+  auto reference = tiny_mlp(0);
+  torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
+  std::vector<at::Tensor> at_k;  // the reference when the checkpoint was saved
+  for (std::int64_t step = 0; step < n; ++step) {
+    if (step == k)
+      for (const auto& p : reference->parameters()) at_k.push_back(p.detach().clone());
+    auto batch = global_batch(step, b * (step < k ? saved : world));
+    ref_opt.zero_grad();
+    loss_of(reference, batch.x, batch.y).backward();
+    ref_opt.step();
+  }
+  const double moved = max_distance(net->parameters(), at_k);
+  require(moved > 1e-3, "the resumed steps moved the model " + sci(moved) + ": the bound could not fail");
+  const double diff = max_param_diff(*net, *reference);
+  // measured (1.13, Adam): 3.0e-8 to 4.5e-8
+  require(diff < 3e-7, "resumed on " + std::to_string(world) + " ranks: " + sci(diff));
+}
+
+// Rank `rank` of `world` trains steps [0, k) of b samples each under
+// Trainer<Strategy>(settings) and saves to `dir`; then `after` runs.
+template <class Strategy>
+void train_and_save(const fs::path& dir, const Strategy& settings, int rank, int world, std::int64_t b, std::int64_t k,
+                    const std::type_identity_t<std::function<void(accel::Trainer<Strategy>&, torch::nn::Sequential&)>>&
+                        after = {}) {
+  accel::Trainer<Strategy> trainer(settings);
+  auto net = tiny_mlp(0);
+  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+  trainer.prepare(net, opt);
+  for (std::int64_t step = 0; step < k; ++step) {
+    auto batch = global_batch(step, b * world);
+    trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
+  }
+  trainer.save_state(dir);
+  if (after) after(trainer, net);
+}
+
+// Rank `rank` of `world` resumes under ZeRO-3 (`settings`) a checkpoint saved
+// after step k by `saved` ranks (b samples each), trains to step n, and must
+// match one process on the same global batches; the companion: the resumed
+// steps moved the model far beyond the bound.
+void zero3_resume_matches_one_process(const fs::path& dir, const accel::ZeRO<3>& settings, int rank, int world,
+                                      int saved, std::int64_t b, std::int64_t k, std::int64_t n) {
+  accel::Trainer<accel::ZeRO<3>> trainer(settings);
+  auto net = tiny_mlp(0);
+  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+  trainer.prepare(net, opt);
+  trainer.load_state(dir);
+  for (std::int64_t step = k; step < n; ++step) {
+    auto batch = global_batch(step, b * world);
+    trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
+  }
+  trainer.unwrap_model();
+  require_matches_one_process(net, saved, world, b, k, n);
 }
 
 // A data-parallel strategy with small buckets (several per model), with
@@ -229,23 +301,7 @@ TEST_SUITE("checkpoint") {
           world,
           [&](int rank) {
             auto net = train(rank, world, k, n, true, false);
-            auto reference = tiny_mlp(0);
-            torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
-            std::vector<at::Tensor> at_k;  // the reference when the checkpoint was saved
-            for (std::int64_t step = 0; step < n; ++step) {
-              if (step == k)
-                for (const auto& p : reference->parameters()) at_k.push_back(p.detach().clone());
-              auto batch = global_batch(step, b * (step < k ? 2 : world));
-              ref_opt.zero_grad();
-              loss_of(reference, batch.x, batch.y).backward();
-              ref_opt.step();
-            }
-            const double diff = max_param_diff(*net, *reference);
-            // The companion: the steps after the load moved the model far beyond the bound.
-            const double moved = max_distance(net->parameters(), at_k);
-            require(moved > 1e-3, "the resumed steps moved the model " + sci(moved) + ": the bound could not fail");
-            // measured (1.13, Adam): 3.0e-8 to 4.5e-8
-            require(diff < 3e-7, "resumed on " + std::to_string(world) + " ranks: diff " + std::to_string(diff));
+            require_matches_one_process(net, 2, world, b, k, n);
           },
           bounded(120s));
     }
@@ -317,54 +373,12 @@ TEST_SUITE("checkpoint") {
     const std::int64_t b = 2, k = 3, n = 5;
     const auto dir = fresh_dir("hybrid");
     RemoveOnExit cleanup{dir};
-    accel::spawn(
-        4,
-        [&](int rank) {
-          accel::Trainer<accel::HybridShard> trainer(accel::HybridShard{.shard_group_size = 2});
-          auto net = tiny_mlp(0);
-          torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
-          trainer.prepare(net, opt);
-          for (std::int64_t step = 0; step < k; ++step) {
-            auto batch = global_batch(step, b * 4);
-            trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
-          }
-          trainer.save_state(dir);
-        },
-        bounded(120s));
+    accel::spawn(4, [&](int rank) { train_and_save(dir, accel::HybridShard{.shard_group_size = 2}, rank, 4, b, k); },
+                 bounded(120s));
     for (int world : {2, 3}) {
       CAPTURE(world);
-      accel::spawn(
-          world,
-          [&](int rank) {
-            accel::Trainer<accel::ZeRO<3>> trainer;
-            auto net = tiny_mlp(0);
-            torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
-            trainer.prepare(net, opt);
-            trainer.load_state(dir);
-            for (std::int64_t step = k; step < n; ++step) {
-              auto batch = global_batch(step, b * world);
-              trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * b, b), batch.y.narrow(0, rank * b, b)); });
-            }
-            trainer.unwrap_model();
-            auto reference = tiny_mlp(0);
-            torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
-            std::vector<at::Tensor> at_k;  // the reference when the checkpoint was saved
-            for (std::int64_t step = 0; step < n; ++step) {
-              if (step == k)
-                for (const auto& p : reference->parameters()) at_k.push_back(p.detach().clone());
-              auto batch = global_batch(step, b * (step < k ? 4 : world));
-              ref_opt.zero_grad();
-              loss_of(reference, batch.x, batch.y).backward();
-              ref_opt.step();
-            }
-            const double diff = max_param_diff(*net, *reference);
-            // The companion: the steps after the load moved the model far beyond the bound.
-            const double moved = max_distance(net->parameters(), at_k);
-            require(moved > 1e-3, "the resumed steps moved the model " + sci(moved) + ": the bound could not fail");
-            // measured (1.13, Adam): 3.0e-8 to 4.5e-8
-            require(diff < 3e-7, "resumed on " + std::to_string(world) + " ranks: " + std::to_string(diff));
-          },
-          bounded(120s));
+      accel::spawn(world, [&](int rank) { zero3_resume_matches_one_process(dir, {}, rank, world, 4, b, k, n); },
+                   bounded(120s));
     }
   }
 
@@ -765,5 +779,129 @@ TEST_SUITE("checkpoint") {
             "holds the model cut as tensor 2 x pipeline 1 (2 part(s)), but this trainer cuts it as tensor 1 x "
             "pipeline 2 (2 part(s))");
     refused(accel::DDP{}, "but this trainer cuts it as whole (1 part(s))");
+  }
+
+  TEST_CASE("SHARDED_STATE_DICT under ZeRO-3, cpu_offload, HybridShard 2x2 and data 2 x tensor 2: each rank writes "
+            "its shard and the index, no whole model file; exact resume bitwise equal") {
+    const auto dir = fresh_dir("sharded");
+    RemoveOnExit cleanup{dir};
+    auto files_are = [&](int shards, const std::string& stem) {
+      for (int s = 0; s < shards; ++s) CHECK(fs::exists(dir / (stem + "_shard_" + std::to_string(s) + ".pt")));
+      CHECK_FALSE(fs::exists(dir / (stem + "_shard_" + std::to_string(shards) + ".pt")));
+      CHECK(fs::exists(dir / (stem + "_index.json")));
+      CHECK_FALSE(fs::exists(dir / (stem + ".pt")));
+    };
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted(dir, 5, 12, zero3_saving(sharded_state)); },
+                 bounded(120s));
+    files_are(2, "model_0");
+    fs::remove_all(dir);
+    auto offloaded = zero3_saving(sharded_state);
+    offloaded.cpu_offload = true;
+    accel::spawn(2, [&](int) { interrupted_equals_uninterrupted(dir, 5, 12, offloaded); }, bounded(120s));
+    files_are(2, "model_0");
+    fs::remove_all(dir);
+    // The first group's two ranks write the shards; the replicas read them.
+    accel::spawn(4, [&](int) {
+      interrupted_equals_uninterrupted(dir, 5, 9, accel::HybridShard{.zero = zero3_saving(sharded_state), .shard_group_size = 2});
+    }, bounded(180s));
+    files_are(2, "model_0");
+    fs::remove_all(dir);
+    accel::spawn(4, [&](int) {
+      parallel_interrupted_equals_uninterrupted<accel::ZeRO<3>>(dir, {.data = {.state_dict_type = sharded_state}, .tensor = 2}, 3, 7);
+    }, bounded(240s));
+    files_are(2, "model_0_part_0");
+    files_are(2, "model_0_part_1");
+  }
+
+  TEST_CASE("a sharded ZeRO-3 checkpoint from 2 ranks resumes on 1 rank and on 3 (one saving whole, so the shards are "
+            "read into the gathered model), by parameter name; merge-weights joins it into the model the ranks "
+            "held") {
+    const std::int64_t b = 4, k = 3, n = 6;
+    const auto dir = fresh_dir("sharded_reshard"), out = fresh_dir("merged.pt"), expected = fresh_dir("held.pt");
+    RemoveOnExit cleanup{dir, out, expected};
+    accel::spawn(
+        2,
+        [&](int rank) {
+          train_and_save(dir, zero3_saving(sharded_state), rank, 2, b, k, [&](auto& trainer, auto& net) {
+            trainer.unwrap_model();  // the model whole on every rank: what the merge must give
+            if (rank == 0) torch::save(net, expected.string());
+          });
+        },
+        bounded(120s));
+    // Offline, in this process: bitwise the model the ranks held, loadable by a plain model.
+    accel::checkpoint::consolidate_model(dir, out);
+    auto merged = tiny_mlp(7), held = tiny_mlp(8), untrained = tiny_mlp(0);
+    torch::load(merged, out.string());
+    torch::load(held, expected.string());
+    CHECK(max_param_diff(*merged, *held) == 0.0);
+    CHECK(max_param_diff(*merged, *untrained) > 1e-3);  // trained: a merge of stale shards would fail
+    if (const char* cli = std::getenv("ACCEL_CLI")) {  // the command line, as a user runs it
+      for (const std::string command : {"merge-weights", "export"}) {
+        const std::string file = out.string() + "." + command;
+        const int status =
+            std::system((std::string(cli) + " " + command + " " + dir.string() + " " + file + " > /dev/null").c_str());
+        CHECK_MESSAGE(status == 0, "accel " << command << " exited with " << status);
+        auto again = tiny_mlp(9);
+        torch::load(again, file);
+        CHECK(max_param_diff(*again, *held) == 0.0);
+        fs::remove(file);
+      }
+    } else {
+      MESSAGE("ACCEL_CLI is not set (meson test sets it): accel merge-weights itself not run");
+    }
+    for (const auto& resume : {std::pair{1, sharded_state}, std::pair{3, full_state}}) {
+      const int world = resume.first;
+      const auto type = resume.second;
+      CAPTURE(world);
+      accel::spawn(world, [&](int rank) { zero3_resume_matches_one_process(dir, zero3_saving(type), rank, world, 2, b, k, n); },
+                   bounded(120s));
+    }
+    fs::remove(dir / "model_0_shard_1.pt");
+    CHECK_THROWS_WITH(accel::checkpoint::consolidate_model(dir, out), doctest::Contains("model_0_shard_1.pt is missing"));
+  }
+
+  TEST_CASE("SHARDED_STATE_DICT never holds the whole model: save_state and load_state peak at under 3/4 of the "
+            "model's bytes at the allocator on 2 ranks, where FULL_STATE_DICT gathers it whole") {
+    const auto sharded_dir = fresh_dir("peak_sharded"), full_dir = fresh_dir("peak_full");
+    RemoveOnExit cleanup{sharded_dir, full_dir};
+    // Linear(64, 512), Tanh, Linear(512, 512), Tanh, Linear(512, 10): 301,066 parameters.
+    const std::int64_t model_bytes = 4 * (64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10);
+    accel::spawn(
+        2,
+        [&](int rank) {
+          for (const auto type : {sharded_state, full_state}) {
+            const auto& dir = type == sharded_state ? sharded_dir : full_dir;
+            accel::device::HostAllocationCounter counter;
+            accel::Trainer<accel::ZeRO<3>> trainer(accel::ZeRO<3>{.state_dict_type = type});
+            torch::nn::Sequential net(torch::nn::Linear(64, 512), torch::nn::Tanh(), torch::nn::Linear(512, 512),
+                                      torch::nn::Tanh(), torch::nn::Linear(512, 10));
+            torch::optim::SGD opt(net->parameters(), 0.1);
+            trainer.prepare(net, opt);
+            auto batch = global_batch(0, 8, 64, 10);
+            trainer.step([&] { return loss_of(net, batch.x.narrow(0, rank * 4, 4), batch.y.narrow(0, rank * 4, 4)); });
+            auto peak_of = [&](auto&& run) {
+              std::this_thread::sleep_for(50ms);  // the step's collectives' buffers released
+              counter.reset_peak();
+              const auto before = counter.live_bytes();
+              run();
+              return counter.peak_bytes() - before;
+            };
+            const auto saving = peak_of([&] { trainer.save_state(dir); });
+            const auto loading = peak_of([&] { trainer.load_state(dir); });
+            const std::string name = type == sharded_state ? "SHARDED_STATE_DICT" : "FULL_STATE_DICT";
+            if (rank == 0)
+              std::printf("%-18s peak above the step's: save %lld, load %lld bytes (model %lld)\n", name.c_str(),
+                          static_cast<long long>(saving), static_cast<long long>(loading),
+                          static_cast<long long>(model_bytes));
+            if (type == sharded_state) {
+              require(4 * saving < 3 * model_bytes, name + ": save_state peaked at " + std::to_string(saving) + " bytes");
+              require(4 * loading < 3 * model_bytes, name + ": load_state peaked at " + std::to_string(loading) + " bytes");
+            } else {  // the companion: the whole model, gathered
+              require(saving >= model_bytes && loading >= model_bytes,
+                      name + ": " + std::to_string(saving) + " / " + std::to_string(loading) + " bytes");
+            }
+          }
+        },
+        bounded(120s));
   }
 }

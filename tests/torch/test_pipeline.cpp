@@ -71,6 +71,28 @@ TEST_SUITE("pipeline") {
     }
   }
 
+  TEST_CASE("the schedules' orders, by hand: 1F1B's warm-up, and interleaved 1F1B's groups of p micro-batches per "
+            "chunk with (p-s-1)*2 + (v-1)*p warm-up forwards") {
+    // "F1.0": the forward of micro-batch 0 through this rank's chunk 1.
+    auto order = [](accel::pipeline::Schedule schedule, int p, int s, int m, int v) {
+      std::string text;
+      for (const auto& pass : accel::pipeline::schedule_for(schedule, p, s, m, v))
+        text += std::string(text.empty() ? "" : " ") + (pass.forward ? "F" : "B") + std::to_string(pass.chunk) + "." +
+                std::to_string(pass.micro);
+      return text;
+    };
+    using S = accel::pipeline::Schedule;
+    CHECK(order(S::one_f_one_b, 2, 0, 3, 1) == "F0.0 F0.1 B0.0 F0.2 B0.1 B0.2");
+    CHECK(order(S::one_f_one_b, 2, 1, 3, 1) == "F0.0 B0.0 F0.1 B0.1 F0.2 B0.2");
+    CHECK(order(S::gpipe, 2, 1, 2, 1) == "F0.0 F0.1 B0.1 B0.0");
+    CHECK(order(S::interleaved_one_f_one_b, 2, 0, 4, 2) ==
+          "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3");
+    CHECK(order(S::interleaved_one_f_one_b, 2, 1, 4, 2) ==
+          "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 B0.2 B0.3");
+    // m = p: every forward first (Megatron's rule), then every backward, last chunk first.
+    CHECK(order(S::interleaved_one_f_one_b, 2, 1, 2, 2) == "F0.0 F0.1 F1.0 F1.1 B1.0 B1.1 B0.0 B0.1");
+  }
+
   TEST_CASE("a model whose layer count cannot be split into the requested stages is refused") {
     accel::spawn(
         3,

@@ -125,6 +125,31 @@ TEST_SUITE("single_process") {
     CHECK(plain.strategy_engine().offloaded_parameters().empty());
   }
 
+  TEST_CASE("a launcher's fsdp_state_dict_type sets what ZeRO-3 and HybridShard checkpoints hold; a strategy that "
+            "keeps the whole model refuses SHARDED_STATE_DICT") {
+    ScopedEnv env;
+    auto sharded_saves = [](auto trainer_settings) {
+      accel::Trainer<decltype(trainer_settings)> trainer(trainer_settings);
+      auto net = tiny_mlp(0);
+      torch::optim::SGD opt(net->parameters(), 0.1);
+      trainer.prepare(net, opt);
+      return trainer.strategy_engine().sharded_parameters().has_value();
+    };
+    CHECK_FALSE(sharded_saves(accel::ZeRO<3>{}));  // the default: FULL_STATE_DICT
+    env.set("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT");
+    CHECK(sharded_saves(accel::ZeRO<3>{}));
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::DDP>{}, doctest::Contains("fsdp_state_dict_type=SHARDED_STATE_DICT"),
+                         accel::ConfigurationError);
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::ZeRO<2>>{}, doctest::Contains("fsdp_state_dict_type=SHARDED_STATE_DICT"),
+                         accel::ConfigurationError);
+    env.set("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT");
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::ZeRO<2>>(accel::ZeRO<2>{.state_dict_type = accel::StateDictType::SHARDED_STATE_DICT}),
+                         doctest::Contains("SHARDED_STATE_DICT is for ZeRO<3> and HybridShard"), accel::ConfigurationError);
+    CHECK_FALSE(sharded_saves(accel::ZeRO<3>{.state_dict_type = accel::StateDictType::SHARDED_STATE_DICT}));
+    env.set("FSDP_STATE_DICT_TYPE", "LOCAL_STATE_DICT");
+    CHECK_THROWS_WITH(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_STATE_DICT_TYPE='LOCAL_STATE_DICT'"));
+  }
+
   TEST_CASE("a launcher's fsdp_auto_wrap_policy, fsdp_min_num_params and fsdp_transformer_layer_cls_to_wrap set "
             "ZeRO-3's units") {
     ScopedEnv env;

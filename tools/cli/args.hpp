@@ -178,6 +178,10 @@ inline const std::vector<FlagSpec>& flag_table() {
       {"--fsdp_transformer_layer_cls_to_wrap", "", "LIST", "FSDP", FlagScope::config_key,
        "TRANSFORMER_BASED_WRAP's module classes, comma-separated (e.g. BlockImpl)",
        fsdp_setter("fsdp_transformer_layer_cls_to_wrap", {})},
+      {"--fsdp_state_dict_type", "", "NAME", "FSDP", FlagScope::config_key,
+       "what save_state writes of a ZeRO<3>/HybridShard model: FULL_STATE_DICT (whole, one file) or "
+       "SHARDED_STATE_DICT (each rank's shard; accel merge-weights joins them)",
+       fsdp_setter("fsdp_state_dict_type", {"FULL_STATE_DICT", "SHARDED_STATE_DICT"})},
       {"--config_file", "", "FILE", "General", FlagScope::general,
        "JSON config with Accelerate's keys (default $HF_HOME/accelerate/default_config.json, else "
        "~/.cache/huggingface/accelerate/default_config.json); flags override it",

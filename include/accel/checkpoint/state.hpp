@@ -8,7 +8,8 @@
 // committed). A model cut into parts by tensor or pipeline parallelism is
 // written part by part, each by the part's first data replica; a sharded
 // optimizer state shard by shard, each by its shard's first replica:
-//   model_<i>.pt | model_<i>_part_<p>.pt       the prepared models (ZeRO-3: gathered whole)
+//   model_<i>.pt | model_<i>_part_<p>.pt       the prepared models (ZeRO-3: gathered whole), or under
+//                                              SHARDED_STATE_DICT each rank's shards (NOTE [Sharded checkpoints])
 //   optimizer.pt | optimizer_part_<p>.pt       replicated optimizer state
 //   optimizer_shard_<s>.pt | optimizer_part_<p>_shard_<s>.pt   sharded optimizer state
 //   random_states_<rank>.pt                    every rank's generators (CPU, and its GPU's)
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "accel/checkpoint/files.hpp"
+#include "accel/checkpoint/sharded.hpp"
 #include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
@@ -60,6 +62,8 @@ class EngineHooks {
   virtual void gather_full_parameters() = 0;
   virtual void release_full_parameters(strategy::FullParameters) = 0;
   virtual void parameters_loaded() = 0;
+  /// This rank's shards, when checkpoints hold the model sharded.
+  virtual std::optional<strategy::ShardedParameters> sharded_parameters() const = 0;
 };
 
 /// An object registered with register_for_checkpointing.
@@ -98,6 +102,7 @@ struct FileNames {
   std::string qualifier() const { return parts == 1 ? "" : "_part_" + std::to_string(part); }
   std::string model(std::size_t i) const { return "model_" + std::to_string(i) + qualifier() + ".pt"; }
   std::string optimizer() const { return "optimizer" + qualifier() + ".pt"; }
+  ShardedModelFiles sharded_model(std::size_t i) const { return {"model_" + std::to_string(i) + qualifier()}; }
   std::string optimizer_shard(int s) const {
     return "optimizer" + qualifier() + "_shard_" + std::to_string(s) + ".pt";
   }
@@ -246,7 +251,7 @@ inline void reshard_optimizer_state(torch::optim::Optimizer& optimizer, const st
 }
 
 inline nlohmann::json describe(TrainerView& t, const strategy::ModelPart& part,
-                               const std::optional<strategy::ShardLayout>& shards,
+                               const std::optional<strategy::ShardLayout>& shards, bool model_sharded,
                                const std::vector<std::vector<std::int64_t>>& numels_by_part) {
   nlohmann::json m;
   m["format_version"] = format_version;
@@ -255,6 +260,7 @@ inline nlohmann::json describe(TrainerView& t, const strategy::ModelPart& part,
   m["model_parts"] = part.count;
   m["model_layout"] = part.layout;
   m["replicated"] = !shards.has_value();
+  m["model_state_dict"] = model_sharded ? "SHARDED_STATE_DICT" : "FULL_STATE_DICT";
   if (shards) {
     m["bucket_numels"] = numels_by_part.front();
     m["bucket_numels_by_part"] = numels_by_part;
@@ -324,17 +330,37 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
   // Restoring must not be recorded by autograd, and must write in place
   // (DDP's gradient views and the optimizer refer to these tensors).
   c10::NoGradGuard no_grad;
-  t.engine.gather_full_parameters();
-  for (std::size_t i = 0; i < t.models.size(); ++i) {
-    torch::serialize::InputArchive archive;
-    archive.load_from((dir / names.model(i)).string());
+  const auto mine = t.engine.sharded_parameters();
+  if (holds_sharded_model(m)) {
+    // By parameter name: into this rank's shards if the engine saves sharded
+    // too, else into the gathered whole model (NOTE [Sharded checkpoints]).
+    const auto files = names.sharded_model(0);
     try {
-      load_in_place(*t.models[i], archive, "");
+      ShardedModelReader reader(dir, files);
+      if (mine) {
+        load_sharded_into_shards(reader, *t.models[0], *mine, *shards);
+      } else {
+        t.engine.gather_full_parameters();
+        load_sharded_into_module(reader, *t.models[0]);
+        t.engine.release_full_parameters(strategy::FullParameters::loaded);
+      }
     } catch (const CheckpointError& e) {
-      throw CheckpointError(where + names.model(i) + ": " + e.what());
+      const std::string what = e.what();
+      throw CheckpointError(what.rfind("accel: ", 0) == 0 ? what : where + files.stem + ": " + what);
     }
+  } else {
+    t.engine.gather_full_parameters();
+    for (std::size_t i = 0; i < t.models.size(); ++i) {
+      torch::serialize::InputArchive archive;
+      archive.load_from((dir / names.model(i)).string());
+      try {
+        load_in_place(*t.models[i], archive, "");
+      } catch (const CheckpointError& e) {
+        throw CheckpointError(where + names.model(i) + ": " + e.what());
+      }
+    }
+    t.engine.release_full_parameters(strategy::FullParameters::loaded);
   }
-  t.engine.release_full_parameters(strategy::FullParameters::loaded);
   t.engine.parameters_loaded();  // cpu_offload's host twins
   // LibTorch's LRScheduler exposes no state: replay its steps (the
   // optimizer's learning rates are then overwritten by the saved ones).
@@ -424,24 +450,30 @@ inline void save_state(TrainerView& t, const std::filesystem::path& dir) {
   const auto names = detail::names_for(part);
   if (t.optimizer != nullptr && shards && shards->writer)
     torch::save(*t.optimizer, (target / names.optimizer_shard(shards->rank)).string());
-  // ZeRO-3 holds only shards: every rank helps gather the full model first.
-  t.engine.gather_full_parameters();
-  if (part.writer) {
-    for (std::size_t i = 0; i < t.models.size(); ++i) torch::save(t.models[i], (target / names.model(i)).string());
-    if (t.optimizer != nullptr && !shards) torch::save(*t.optimizer, (target / names.optimizer()).string());
+  const auto sharded = t.engine.sharded_parameters();
+  if (sharded) {
+    // Each rank its own shards (NOTE [Sharded checkpoints]): the model is never whole.
+    save_sharded_model(target, names.sharded_model(0), *t.models[0], *sharded, *shards);
+  } else {
+    // ZeRO-3 holds only shards: every rank helps gather the full model first.
+    t.engine.gather_full_parameters();
+    if (part.writer)
+      for (std::size_t i = 0; i < t.models.size(); ++i) torch::save(t.models[i], (target / names.model(i)).string());
   }
+  if (part.writer && t.optimizer != nullptr && !shards)
+    torch::save(*t.optimizer, (target / names.optimizer()).string());
   if (main)
     for (std::size_t i = 0; i < t.custom.size(); ++i) {
       torch::serialize::OutputArchive archive;
       t.custom[i].save(archive);
       archive.save_to((target / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string());
     }
-  t.engine.release_full_parameters(strategy::FullParameters::unchanged);
+  if (!sharded) t.engine.release_full_parameters(strategy::FullParameters::unchanged);
   const auto numels = shards ? detail::bucket_numels_by_part(t.world, part, shards->bucket_numels)
                              : std::vector<std::vector<std::int64_t>>{};
   t.world.barrier();
   if (main) {
-    auto manifest = detail::describe(t, part, shards, numels);
+    auto manifest = detail::describe(t, part, shards, sharded.has_value(), numels);
     manifest["files"] = file_sizes(target);
     write_atomically(target / manifest_name, manifest.dump(2));
     if (replace) {

@@ -66,6 +66,22 @@ inline std::optional<AutoWrapPolicy> auto_wrap_policy_named(std::string_view nam
   return std::nullopt;
 }
 
+/// What save_state writes of a ZeRO<3> / HybridShard model (Accelerate's
+/// fsdp_state_dict_type): the model whole, gathered unit by unit and written
+/// by one rank, or each rank's shard and an index, never whole on any rank
+/// (NOTE [Sharded checkpoints]; `accel merge-weights` joins them offline).
+enum class StateDictType {
+  FULL_STATE_DICT,
+  SHARDED_STATE_DICT,
+};
+
+/// The type of one of Accelerate's fsdp_state_dict_type names; none for another.
+inline std::optional<StateDictType> state_dict_type_named(std::string_view name) {
+  if (name == "FULL_STATE_DICT") return StateDictType::FULL_STATE_DICT;
+  if (name == "SHARDED_STATE_DICT") return StateDictType::SHARDED_STATE_DICT;
+  return std::nullopt;
+}
+
 /// ZeRO data parallelism (DeepSpeed's stages; FSDP's SHARD_GRAD_OP is stage 2
 /// and FULL_SHARD stage 3): stage 1 shards the optimizer state over the
 /// ranks, stage 2 the gradients too, stage 3 the parameters too. Works with
@@ -86,6 +102,9 @@ struct ZeRO {
   /// state never occupies the device (NOTE [CPU offload]); Accelerate's
   /// fsdp_offload_params, DeepSpeed's offload_optimizer_device: cpu.
   bool cpu_offload = false;
+  /// Stage 3: what a checkpoint holds of the model. Stages 1 and 2 keep the
+  /// whole model on every rank and save it whole (SHARDED_STATE_DICT is refused).
+  StateDictType state_dict_type = StateDictType::FULL_STATE_DICT;
 
   static constexpr int stage = Stage;
   template <class Precision, class Device>
@@ -132,7 +151,11 @@ template <ShardingStrategy S>
 using FSDP = typename detail::fsdp_policy<S>::type;
 
 /// Pipeline schedules (NOTE [Pipeline schedules] in pipeline/pipeline.hpp).
-enum class PipelineSchedule { gpipe, one_f_one_b };
+enum class PipelineSchedule {
+  gpipe,
+  one_f_one_b,
+  interleaved_one_f_one_b,  ///< Megatron-LM's: virtual_stages chunks of the model per rank
+};
 
 /// Data x tensor x pipeline parallelism on a device mesh (Megatron-LM's
 /// composition): `data` is the strategy over the data dimension (DDP or
@@ -148,6 +171,9 @@ struct Parallel {
   int pipeline = 1;
   int micro_batches = 1;
   PipelineSchedule schedule = PipelineSchedule::one_f_one_b;
+  /// Chunks of the model per pipeline rank, with schedule = interleaved_one_f_one_b
+  /// (Megatron-LM's virtual pipeline stages): the bubble shrinks by this factor.
+  int virtual_stages = 1;
 
   template <class Precision, class Device>
   using engine = strategy::ParallelEngine<Data, Precision, Device>;

@@ -77,6 +77,7 @@ inline void check_launcher_sharding(const char* compiled) {
 //   FSDP_AUTO_WRAP_POLICY          NO_WRAP | SIZE_BASED_WRAP | TRANSFORMER_BASED_WRAP   (ZeRO-3 units)
 //   FSDP_MIN_NUM_PARAMS            an integer                                           (SIZE_BASED_WRAP)
 //   FSDP_TRANSFORMER_CLS_TO_WRAP   class names, comma-separated                         (TRANSFORMER_BASED_WRAP)
+//   FSDP_STATE_DICT_TYPE           FULL_STATE_DICT | SHARDED_STATE_DICT                 (ZeRO-3, HybridShard)
 // A value that cannot be read, or offload for a strategy that shards no
 // optimizer state, is a ConfigurationError naming the variable.
 inline bool launcher_flag(const char* name) {
@@ -125,10 +126,29 @@ inline void apply_launcher_wrap_policy(ZeRO<3>& zero) {
   }
 }
 
+// FSDP_STATE_DICT_TYPE: SHARDED_STATE_DICT only where the model is sharded.
+template <class Strategy>
+void apply_launcher_state_dict_type(Strategy& strategy) {
+  auto requested = comm::process_environment(variables::fsdp_state_dict_type);
+  if (!requested) return;
+  const auto type = state_dict_type_named(*requested);
+  if (!type)
+    throw ConfigurationError("accel: FSDP_STATE_DICT_TYPE='" + *requested +
+                             "' is not FULL_STATE_DICT or SHARDED_STATE_DICT");
+  if constexpr (std::is_same_v<Strategy, ZeRO<3>>) strategy.state_dict_type = *type;
+  else if constexpr (requires { strategy.zero.state_dict_type; }) strategy.zero.state_dict_type = *type;
+  else if constexpr (requires { strategy.data.state_dict_type; }) strategy.data.state_dict_type = *type;
+  else if (*type == StateDictType::SHARDED_STATE_DICT)
+    throw ConfigurationError("accel: the launcher asked for fsdp_state_dict_type=SHARDED_STATE_DICT but this "
+                             "program's Trainer strategy keeps the whole model on every rank: use accel::ZeRO<3> or "
+                             "accel::HybridShard, or FULL_STATE_DICT");
+}
+
 template <class Strategy>
 Strategy with_launcher_fsdp_settings(Strategy strategy) {
   if constexpr (std::is_same_v<Strategy, ZeRO<3>>) apply_launcher_wrap_policy(strategy);
   if constexpr (requires { strategy.zero; }) apply_launcher_wrap_policy(strategy.zero);
+  apply_launcher_state_dict_type(strategy);
   if (!launcher_flag(variables::fsdp_offload_params)) return strategy;
   if constexpr (requires { strategy.cpu_offload; }) strategy.cpu_offload = true;
   else if constexpr (requires { strategy.zero.cpu_offload; }) strategy.zero.cpu_offload = true;

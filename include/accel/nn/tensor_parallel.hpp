@@ -108,6 +108,12 @@ inline std::int64_t rows_per_rank(const at::Tensor& x, const comm::Communicator&
   return x.size(0) / group.size();
 }
 
+// This rank's rows of a replicated `x`, in a tensor of their own.
+inline at::Tensor rows_of_this_rank(const at::Tensor& x, const comm::Communicator& group) {
+  const std::int64_t rows = rows_per_rank(x, group);
+  return x.narrow(0, group.rank() * rows, rows).clone(at::MemoryFormat::Contiguous);
+}
+
 inline at::Tensor all_gather_equal_rows(comm::Communicator& group, const at::Tensor& x, const std::string& what) {
   return at::cat(group.all_gather(x.contiguous(), what), 0);
 }
@@ -122,10 +128,8 @@ inline at::Tensor reduce_scatter_rows(comm::Communicator& group, const at::Tenso
 
 struct ScatterToSequenceParallel : torch::autograd::Function<ScatterToSequenceParallel> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, std::int64_t group) {
-    auto& g = *reinterpret_cast<comm::Communicator*>(group);
     ctx->saved_data["group"] = group;
-    const std::int64_t rows = rows_per_rank(x, g);
-    return x.narrow(0, g.rank() * rows, rows).clone();
+    return rows_of_this_rank(x, *reinterpret_cast<comm::Communicator*>(group));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -143,9 +147,7 @@ struct GatherFromSequenceParallel : torch::autograd::Function<GatherFromSequence
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto& g = int_to_group(ctx->saved_data["group"]);
-    const std::int64_t rows = rows_per_rank(grads[0], g);
-    return {grads[0].narrow(0, g.rank() * rows, rows).contiguous(), at::Tensor()};
+    return {rows_of_this_rank(grads[0], int_to_group(ctx->saved_data["group"])), at::Tensor()};
   }
 };
 

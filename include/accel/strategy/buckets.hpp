@@ -283,6 +283,21 @@ class BucketedEngineBase : public EngineDefaults {
   const std::vector<DDPEvent>& events() const { return state_->events; }
 
  protected:
+  /// The buckets' plan by parameter name, for a sharded checkpoint's index.
+  std::vector<FlatBucket> flat_buckets() const {
+    const auto& s = *state_;
+    std::vector<FlatBucket> out;
+    for (const auto& bucket : s.buckets) {
+      FlatBucket flat{bucket.numel, bucket.padded, {}};
+      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+        const auto i = bucket.params[k];
+        flat.parameters.push_back({s.names[i], s.params[i].sizes().vec(), bucket.offsets[k]});
+      }
+      out.push_back(std::move(flat));
+    }
+    return out;
+  }
+
   /// Collects the model's trainable parameters, checks that every rank has
   /// the same model, broadcasts rank 0's weights, plans the buckets.
   void collect_and_plan(torch::nn::Module& model, const std::function<int(const at::Tensor&)>& group_of) {

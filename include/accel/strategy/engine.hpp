@@ -15,8 +15,8 @@
 //     shard_layout(): how many shards, which one is this rank's, the bucket
 //     sizes (what a checkpoint needs to reshard it).
 //   Customisation points, with the defaults EngineDefaults documents below:
-//     forward hooks, the full-parameter life cycle of checkpoints, the model
-//     part this rank holds, the groups of a mesh, gradient-norm reduction,
+//     forward hooks, the full-parameter life cycle of checkpoints, a sharded
+//     checkpoint's parameters, the model part this rank holds, the groups of a mesh, gradient-norm reduction,
 //     the pipelined step, cpu_offload's host tensors.
 // An engine that wraps another (HybridShard around ZeRO-3, Parallel around
 // its data engine) derives from ForwardingEngine, which forwards the inner
@@ -28,6 +28,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,6 +77,26 @@ struct NormReduction {
   std::vector<at::Tensor> masks;
 };
 
+/// Where one parameter lies in a flat bucket (NOTE [ZeRO shards]).
+struct FlatParameter {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::int64_t offset = 0;
+};
+/// A flat bucket: its real and padded sizes, and its parameters.
+struct FlatBucket {
+  std::int64_t numel = 0;
+  std::int64_t padded = 0;
+  std::vector<FlatParameter> parameters;
+};
+/// What a sharded checkpoint holds of this rank (NOTE [Sharded checkpoints]):
+/// the buckets' plan and this rank's shard of each (the engine's own
+/// tensors: a load writes into them).
+struct ShardedParameters {
+  std::vector<FlatBucket> buckets;
+  std::vector<at::Tensor> shards;
+};
+
 /// Whether the full parameters, gathered for a checkpoint, were overwritten
 /// (a load: each rank's shard must be taken from them) or only read.
 enum class FullParameters { unchanged, loaded };
@@ -96,6 +117,9 @@ class EngineDefaults {
   void release_full_parameters(FullParameters) {}
   /// The model's parameters were overwritten (a checkpoint was loaded).
   void parameters_loaded() {}
+  /// Checkpoints hold this rank's shards instead of the whole model
+  /// (SHARDED_STATE_DICT). Default: none, the model is saved whole.
+  std::optional<ShardedParameters> sharded_parameters() const { return std::nullopt; }
   /// unwrap_model: the model whole on every rank, for good.
   void unshard_permanently() {}
   /// cpu_offload's host tensors the optimizer steps, and the device shards they mirror.
@@ -164,6 +188,7 @@ class ForwardingEngine : public EngineDefaults {
   void gather_full_parameters() { inner_.gather_full_parameters(); }
   void release_full_parameters(FullParameters what) { inner_.release_full_parameters(what); }
   void parameters_loaded() { inner_.parameters_loaded(); }
+  std::optional<ShardedParameters> sharded_parameters() const { return inner_.sharded_parameters(); }
   void unshard_permanently() { inner_.unshard_permanently(); }
   const std::vector<at::Tensor>& offloaded_parameters() const { return inner_.offloaded_parameters(); }
   const std::vector<at::Tensor>& device_shards() const { return inner_.device_shards(); }

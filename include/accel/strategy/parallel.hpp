@@ -59,6 +59,11 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
   static constexpr bool shards_optimizer_state = data_engine_type::shards_optimizer_state;
 
   static void check_world(const Parallel<Data>& settings, int world_size) {
+    if (settings.pipeline > 1)
+      pipeline::check_options({settings.micro_batches, settings.schedule, settings.virtual_stages}, settings.pipeline);
+    else if (settings.virtual_stages != 1)
+      throw std::invalid_argument("accel Parallel: virtual_stages = " + std::to_string(settings.virtual_stages) +
+                                  " without a pipeline (pipeline = 1)");
     detail::mesh_shape_for(world_size, settings.tensor, settings.pipeline);
     // ZeRO-3 gathers a unit when its forward runs and frees it after; a
     // pipeline runs a stage's forwards and backwards interleaved over
@@ -84,7 +89,7 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
         throw std::invalid_argument("accel Parallel: pipeline parallelism splits a torch::nn::Sequential; this model is a " +
                                     model.name());
       pipeline_.emplace(torch::nn::Sequential(sequential), mesh_.group(comm::MeshDim::pipeline),
-                        pipeline::PipelineOptions{settings_.micro_batches, settings_.schedule});
+                        pipeline::PipelineOptions{settings_.micro_batches, settings_.schedule, settings_.virtual_stages});
       stage_ = pipeline_->stage_module();
       part = stage_.ptr().get();  // this rank's stage only: the other stages are other ranks'
     }
@@ -101,7 +106,8 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
     if (tensor * pipeline == 1) return EngineDefaults::model_part(world);  // data parallel only: whole, as DDP's
     return {m.coordinate(comm::MeshDim::tensor) + tensor * m.coordinate(comm::MeshDim::pipeline), tensor * pipeline,
             m.coordinate(comm::MeshDim::data) == 0,
-            "tensor " + std::to_string(tensor) + " x pipeline " + std::to_string(pipeline)};
+            "tensor " + std::to_string(tensor) + " x pipeline " + std::to_string(pipeline) +
+                (settings_.virtual_stages > 1 ? " x virtual " + std::to_string(settings_.virtual_stages) : "")};
   }
 
   /// The global norm over the whole mesh: every pipeline stage's and every

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "accel/comm/communicator.hpp"
+#include "accel/core/errors.hpp"
 #include "accel/core/policies.hpp"
 #include "accel/strategy/buckets.hpp"
 #include "accel/strategy/offload.hpp"
@@ -51,6 +52,11 @@ class ZeROEngine : public BucketedEngineBase {
                            comm),
         offload_(settings.cpu_offload) {
     static_assert(complete_engine<ZeROEngine>);
+    if (settings.state_dict_type == StateDictType::SHARDED_STATE_DICT)
+      throw ConfigurationError(std::string("accel ZeRO<") + std::to_string(Stage) +
+                               ">: state_dict_type SHARDED_STATE_DICT is for ZeRO<3> and HybridShard, which hold only "
+                               "shards; this stage keeps the whole model on every rank and saves it whole "
+                               "(FULL_STATE_DICT)");
     state_->launch = [this](std::size_t b) { launch(b); };
   }
 

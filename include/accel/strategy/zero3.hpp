@@ -402,7 +402,14 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
   const std::vector<at::Tensor>& device_shards() const { return z3_->shards; }
   void parameters_loaded() {
+    z3_->reshard_all();  // a full parameter buffer gathered before the load holds the old values
     if (offload_.enabled()) offload_.parameters_from_device(z3_->shards);
+  }
+  /// Under SHARDED_STATE_DICT a checkpoint holds this rank's shards
+  /// (NOTE [Sharded checkpoints]); a load writes into them.
+  std::optional<ShardedParameters> sharded_parameters() const {
+    if (settings_.state_dict_type != StateDictType::SHARDED_STATE_DICT) return std::nullopt;
+    return ShardedParameters{flat_buckets(), z3_->shards};
   }
 
   /// Rank r holds shard r of every bucket (NOTE [ZeRO shards]).

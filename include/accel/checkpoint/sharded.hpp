@@ -1,0 +1,410 @@
+#pragma once
+// Sharded model checkpoints: each rank writes the shard of the model it
+// holds, never the whole model (FSDP's SHARDED_STATE_DICT).
+//
+// NOTE [Sharded checkpoints]
+// A sharded engine (ZeRO-3, HybridShard) keeps rank r's elements [r*S, (r+1)*S)
+// of every flat bucket (NOTE [ZeRO shards]). With state_dict_type
+// SHARDED_STATE_DICT a checkpoint holds exactly that, per model part:
+//   model_<i>[_part_<p>]_shard_<s>.pt   shard s of every bucket ("bucket_<b>"),
+//                                        written by the first replica holding it
+//   model_<i>[_part_<p>]_index.json     per bucket: its size and padding, and
+//                                        where each parameter lies in it (name,
+//                                        shape, offset); the tensors kept whole
+//                                        (buffers, frozen parameters) and their key
+//   model_<i>[_part_<p>]_whole.pt       those tensors (keys "t<k>")
+// Reading goes by parameter name, not by file: a rank asks for the element
+// ranges its own buckets need, and every saved shard file that holds some of
+// them is read once, one at a time. So a checkpoint loads into another number
+// of ranks, another unit plan, or an unsharded strategy (which asks for every
+// parameter whole), and no rank ever holds more than its own shard plus one
+// saved file. `accel merge-weights` joins the shards offline into one
+// LibTorch file, nested as Module::save writes it.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "accel/checkpoint/files.hpp"
+#include "accel/strategy/engine.hpp"
+
+namespace accel::checkpoint {
+
+/// The file names of one model (part) of a sharded checkpoint.
+struct ShardedModelFiles {
+  std::string stem;  ///< model_<i>[_part_<p>]
+  std::string shard(int s) const { return stem + "_shard_" + std::to_string(s) + ".pt"; }
+  std::string index() const { return stem + "_index.json"; }
+  std::string whole() const { return stem + "_whole.pt"; }
+};
+
+namespace detail {
+
+inline std::string bucket_key(std::size_t b) { return "bucket_" + std::to_string(b); }
+
+// The tensors of `module` that no bucket holds: buffers and frozen parameters.
+inline std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> kept_whole(
+    torch::nn::Module& module, const std::vector<strategy::FlatBucket>& buckets) {
+  std::vector<std::string> flat;
+  for (const auto& bucket : buckets)
+    for (const auto& p : bucket.parameters) flat.push_back(p.name);
+  std::sort(flat.begin(), flat.end());
+  std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> out;
+  for (const auto& item : module.named_parameters())
+    if (!std::binary_search(flat.begin(), flat.end(), item.key())) out.push_back({item.key(), {item.value(), false}});
+  for (const auto& item : module.named_buffers()) out.push_back({item.key(), {item.value(), true}});
+  return out;
+}
+
+}  // namespace detail
+
+/// Writes this rank's part of a sharded model: its shard file when
+/// `layout.writer`, and the index and the tensors kept whole when it also
+/// holds shard 0 (one rank per model part).
+inline void save_sharded_model(const fs::path& dir, const ShardedModelFiles& files, torch::nn::Module& module,
+                               const strategy::ShardedParameters& sharded, const strategy::ShardLayout& layout) {
+  if (!layout.writer) return;
+  {
+    torch::serialize::OutputArchive archive;
+    for (std::size_t b = 0; b < sharded.shards.size(); ++b)
+      archive.write(detail::bucket_key(b), sharded.shards[b].detach().to(at::kCPU));
+    archive.save_to((dir / files.shard(layout.rank)).string());
+  }
+  if (layout.rank != 0) return;
+  nlohmann::json index;
+  index["shard_count"] = layout.count;
+  index["buckets"] = nlohmann::json::array();
+  for (std::size_t b = 0; b < sharded.buckets.size(); ++b) {
+    const auto& bucket = sharded.buckets[b];
+    nlohmann::json parameters = nlohmann::json::array();
+    for (const auto& p : bucket.parameters)
+      parameters.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
+    index["buckets"].push_back({{"numel", bucket.numel},
+                                {"padded", bucket.padded},
+                                {"dtype", static_cast<int>(sharded.shards[b].scalar_type())},  // c10::ScalarType's number
+                                {"parameters", parameters}});
+  }
+  index["modules"] = nlohmann::json::array();  // every submodule, for a merged file Module::load reads
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) index["modules"].push_back(item.key());
+  index["whole"] = nlohmann::json::array();
+  torch::serialize::OutputArchive whole;
+  int k = 0;
+  for (const auto& [name, tensor] : detail::kept_whole(module, sharded.buckets)) {
+    const std::string key = "t" + std::to_string(k++);
+    whole.write(key, tensor.first.detach().to(at::kCPU), tensor.second);
+    index["whole"].push_back({{"name", name}, {"key", key}, {"buffer", tensor.second}});
+  }
+  whole.save_to((dir / files.whole()).string());
+  write_atomically(dir / files.index(), index.dump(1));
+}
+
+/// Reads element ranges of parameters, by name, out of a sharded model's
+/// files (NOTE [Sharded checkpoints]).
+class ShardedModelReader {
+ public:
+  ShardedModelReader(fs::path dir, ShardedModelFiles files) : dir_(std::move(dir)), files_(std::move(files)) {
+    const auto path = dir_ / files_.index();
+    std::ifstream in(path);
+    if (!in) throw CheckpointError("accel: checkpoint " + dir_.string() + " has no " + files_.index());
+    try {
+      index_ = nlohmann::json::parse(in);
+      shards_ = index_.at("shard_count").get<int>();
+      const auto& buckets = index_.at("buckets");
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        dtypes_.push_back(static_cast<at::ScalarType>(buckets[b].at("dtype").get<int>()));
+        const std::int64_t padded = buckets[b].at("padded").get<std::int64_t>();
+        for (const auto& p : buckets[b].at("parameters"))
+          where_[p.at("name").get<std::string>()] = {b, p.at("offset").get<std::int64_t>(),
+                                                     p.at("shape").get<std::vector<std::int64_t>>(), padded / shards_};
+      }
+    } catch (const CheckpointError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CheckpointError("accel: checkpoint " + dir_.string() + ": " + files_.index() + " is not a valid index: " +
+                            e.what());
+    }
+  }
+
+  int shard_count() const { return shards_; }
+  bool has(const std::string& name) const { return where_.contains(name); }
+  std::vector<std::int64_t> shape_of(const std::string& name) const { return where_of(name).shape; }
+  /// The element type its bucket was saved in.
+  at::ScalarType dtype_of(const std::string& name) const { return dtypes_.at(where_of(name).bucket); }
+
+  /// Asks for elements [begin, end) of parameter `name` (flattened), to be
+  /// copied into `into` (a 1-D tensor of end - begin elements) by read().
+  void request(const std::string& name, std::int64_t begin, std::int64_t end, at::Tensor into) {
+    const auto& w = where_of(name);
+    std::int64_t done = 0;
+    for (std::int64_t flat = w.offset + begin; flat < w.offset + end;) {
+      const int s = static_cast<int>(flat / w.shard);
+      const std::int64_t in_shard = flat - s * w.shard;
+      const std::int64_t n = std::min(w.shard - in_shard, w.offset + end - flat);
+      pieces_.push_back({s, w.bucket, in_shard, into.narrow(0, done, n)});
+      done += n;
+      flat += n;
+    }
+  }
+
+  /// Copies every requested range: each saved shard file that holds one is
+  /// loaded once, and dropped before the next.
+  void read() {
+    std::sort(pieces_.begin(), pieces_.end(), [](const Piece& a, const Piece& b) { return a.shard < b.shard; });
+    c10::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < pieces_.size();) {
+      const int s = pieces_[i].shard;
+      torch::serialize::InputArchive archive;
+      const auto file = dir_ / files_.shard(s);
+      if (!fs::exists(file)) throw CheckpointError("accel: checkpoint " + dir_.string() + " has no " + files_.shard(s));
+      archive.load_from(file.string());
+      std::map<std::size_t, at::Tensor> buckets;
+      for (; i < pieces_.size() && pieces_[i].shard == s; ++i) {
+        auto& piece = pieces_[i];
+        auto& bucket = buckets[piece.bucket];
+        if (!bucket.defined()) archive.read(detail::bucket_key(piece.bucket), bucket);
+        piece.into.copy_(bucket.narrow(0, piece.begin, piece.into.numel()));
+      }
+    }
+    pieces_.clear();
+  }
+
+  /// The tensors kept whole, by name, with whether each is a buffer.
+  std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> whole() const {
+    torch::serialize::InputArchive archive;
+    archive.load_from((dir_ / files_.whole()).string());
+    std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> out;
+    for (const auto& item : index_.at("whole")) {
+      at::Tensor t;
+      const bool buffer = item.at("buffer").get<bool>();
+      archive.read(item.at("key").get<std::string>(), t, buffer);
+      out.push_back({item.at("name").get<std::string>(), {t, buffer}});
+    }
+    return out;
+  }
+
+  /// Every submodule's dotted name.
+  std::vector<std::string> module_names() const { return index_.value("modules", std::vector<std::string>{}); }
+
+  /// Every sharded parameter's name, in the index's order.
+  std::vector<std::string> parameter_names() const {
+    std::vector<std::string> names;
+    for (const auto& bucket : index_.at("buckets"))
+      for (const auto& p : bucket.at("parameters")) names.push_back(p.at("name").get<std::string>());
+    return names;
+  }
+
+ private:
+  struct Where {
+    std::size_t bucket = 0;
+    std::int64_t offset = 0;
+    std::vector<std::int64_t> shape;
+    std::int64_t shard = 0;  // elements per shard of its bucket
+  };
+  struct Piece {
+    int shard;
+    std::size_t bucket;
+    std::int64_t begin;  // in the shard
+    at::Tensor into;
+  };
+  const Where& where_of(const std::string& name) const {
+    auto it = where_.find(name);
+    if (it == where_.end())
+      throw CheckpointError("accel: checkpoint " + dir_.string() + ": " + files_.index() + " has no parameter '" +
+                            name + "'");
+    return it->second;
+  }
+
+  fs::path dir_;
+  ShardedModelFiles files_;
+  nlohmann::json index_;
+  int shards_ = 1;
+  std::map<std::string, Where> where_;
+  std::vector<at::ScalarType> dtypes_;  // per bucket
+  std::vector<Piece> pieces_;
+};
+
+namespace detail {
+
+inline std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+inline void check_shape(const ShardedModelReader& reader, const std::string& name, const std::vector<std::int64_t>& shape) {
+  if (reader.shape_of(name) != shape)
+    throw CheckpointError("parameter '" + name + "' has shape " + nlohmann::json(reader.shape_of(name)).dump() +
+                          " in the checkpoint but " + nlohmann::json(shape).dump() + " in the prepared model");
+}
+
+}  // namespace detail
+
+/// The buffers and frozen parameters of a sharded model, into `module`.
+inline void load_whole_tensors(const ShardedModelReader& reader, torch::nn::Module& module) {
+  c10::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> mine;
+  for (auto& item : module.named_parameters()) mine[item.key()] = item.value();
+  for (auto& item : module.named_buffers()) mine[item.key()] = item.value();
+  for (const auto& [name, saved] : reader.whole()) {
+    auto it = mine.find(name);
+    if (it == mine.end()) throw CheckpointError("the prepared model has no tensor '" + name + "'");
+    if (it->second.sizes() != saved.first.sizes())
+      throw CheckpointError("tensor '" + name + "' has shape " + c10::str(saved.first.sizes()) +
+                            " in the checkpoint but " + c10::str(it->second.sizes()) + " in the prepared model");
+    it->second.copy_(saved.first);
+  }
+}
+
+/// Loads a sharded model into this rank's shards of a sharded engine (the
+/// buffers and frozen parameters into `module`), whatever the number of
+/// ranks or the bucket plan it was saved with. Host shards are written in
+/// place; device shards through one host copy of this rank's shard.
+inline void load_sharded_into_shards(ShardedModelReader& reader, torch::nn::Module& module,
+                                     const strategy::ShardedParameters& mine, const strategy::ShardLayout& layout) {
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> targets;
+  for (std::size_t b = 0; b < mine.buckets.size(); ++b) {
+    const auto& bucket = mine.buckets[b];
+    const std::int64_t shard = bucket.padded / layout.count;
+    const std::int64_t lo = layout.rank * shard, hi = lo + shard;
+    const at::Tensor& own = mine.shards[b];
+    targets.push_back(own.is_cpu() ? own : at::empty({shard}, own.options().device(at::kCPU)));
+    targets.back().zero_();  // the padding
+    for (const auto& p : bucket.parameters) {
+      detail::check_shape(reader, p.name, p.shape);
+      const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + detail::numel_of(p.shape));
+      if (begin < end)
+        reader.request(p.name, begin - p.offset, end - p.offset, targets.back().narrow(0, begin - lo, end - begin));
+    }
+  }
+  reader.read();
+  for (std::size_t b = 0; b < targets.size(); ++b)
+    if (!mine.shards[b].is_cpu()) mine.shards[b].copy_(targets[b]);
+  load_whole_tensors(reader, module);
+}
+
+/// Loads a sharded model into a module that holds its parameters whole.
+inline void load_sharded_into_module(ShardedModelReader& reader, torch::nn::Module& module) {
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<at::Tensor, at::Tensor>> staged;  // (parameter, host copy)
+  for (auto& item : module.named_parameters()) {
+    if (!reader.has(item.key())) continue;  // kept whole: below
+    detail::check_shape(reader, item.key(), item.value().sizes().vec());
+    auto host = at::empty({item.value().numel()}, item.value().options().device(at::kCPU));
+    reader.request(item.key(), 0, host.numel(), host);
+    staged.push_back({item.value(), host});
+  }
+  reader.read();
+  for (auto& [parameter, host] : staged) parameter.copy_(host.view(parameter.sizes()));
+  load_whole_tensors(reader, module);
+}
+
+/// Tensors by dotted module path, written nested as Module::save writes
+/// them, so that torch::load(module, file) reads the result.
+class NestedArchive {
+  struct Node {
+    std::vector<std::tuple<std::string, at::Tensor, bool>> tensors;
+    std::map<std::string, std::unique_ptr<Node>> children;
+    std::vector<std::string> order;
+  };
+
+ public:
+  void add(const std::string& dotted, at::Tensor tensor, bool is_buffer) {
+    const auto dot = dotted.rfind('.');
+    Node& node = dot == std::string::npos ? root_ : module(dotted.substr(0, dot));
+    node.tensors.push_back({dot == std::string::npos ? dotted : dotted.substr(dot + 1), std::move(tensor), is_buffer});
+  }
+  /// A submodule, even one without tensors (Module::load reads every child).
+  Node& module(const std::string& dotted) {
+    Node* node = &root_;
+    std::size_t start = 0;
+    while (start <= dotted.size()) {
+      auto dot = dotted.find('.', start);
+      if (dot == std::string::npos) dot = dotted.size();
+      const std::string child = dotted.substr(start, dot - start);
+      auto& slot = node->children[child];
+      if (!slot) {
+        slot = std::make_unique<Node>();
+        node->order.push_back(child);
+      }
+      node = slot.get();
+      start = dot + 1;
+    }
+    return *node;
+  }
+  void save_to(const fs::path& path) {
+    torch::serialize::OutputArchive archive;
+    write(root_, archive);
+    archive.save_to(path.string());
+  }
+
+ private:
+  static void write(const Node& node, torch::serialize::OutputArchive& archive) {
+    for (const auto& [key, tensor, buffer] : node.tensors) archive.write(key, tensor, buffer);
+    for (const auto& name : node.order) {
+      torch::serialize::OutputArchive child(archive.compilation_unit());
+      write(*node.children.at(name), child);
+      archive.write(name, child);
+    }
+  }
+  Node root_;
+};
+
+/// Joins a sharded model's files into one LibTorch file (`accel merge-weights`),
+/// offline: this process holds the merged model, the saved dtypes kept.
+inline void merge_sharded_model(const fs::path& dir, const ShardedModelFiles& files, const fs::path& out) {
+  ShardedModelReader reader(dir, files);
+  NestedArchive merged;
+  for (const auto& name : reader.module_names()) merged.module(name);
+  for (const auto& name : reader.parameter_names()) {
+    const auto shape = reader.shape_of(name);
+    auto full = at::empty({detail::numel_of(shape)}, at::TensorOptions().dtype(reader.dtype_of(name)));
+    reader.request(name, 0, full.numel(), full);
+    merged.add(name, full.view(shape), false);
+  }
+  reader.read();
+  for (const auto& [name, saved] : reader.whole()) merged.add(name, saved.first, saved.second);
+  const fs::path temp = out.string() + ".tmp";
+  merged.save_to(temp);
+  fs::rename(temp, out);
+}
+
+/// Whether a checkpoint holds its model as shards (NOTE [Sharded checkpoints]).
+inline bool holds_sharded_model(const nlohmann::json& manifest) {
+  return manifest.value("model_state_dict", std::string("FULL_STATE_DICT")) == "SHARDED_STATE_DICT";
+}
+
+/// A checkpoint's full model as one LibTorch file: the shards joined, or
+/// the whole model's file copied (export_model).
+inline void consolidate_model(const fs::path& dir, const fs::path& out, int model_index = 0) {
+  const auto manifest = read_manifest(dir);
+  if (!holds_sharded_model(manifest)) return export_model(dir, out, model_index);
+  const int parts = manifest.value("model_parts", 1);
+  if (parts != 1)
+    throw CheckpointError("accel: checkpoint " + dir.string() + " holds the model cut into " + std::to_string(parts) +
+                          " parts (" + manifest.value("model_layout", std::string("?")) +
+                          "): there is no whole model to write; each part's shards are model_<i>_part_<p>_shard_<s>.pt");
+  if (model_index != 0)
+    throw CheckpointError("accel: checkpoint " + dir.string() + " holds 1 sharded model; there is no model " +
+                          std::to_string(model_index));
+  merge_sharded_model(dir, {"model_0"}, out);
+}
+
+}  // namespace accel::checkpoint
