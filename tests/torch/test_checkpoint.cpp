@@ -702,6 +702,20 @@ TEST_SUITE("checkpoint") {
                  bounded(240s));
   }
 
+  TEST_CASE("exact resume under Parallel<ZeRO<3>> with a pipeline: data 2 x pipeline 2 on 4 ranks, bitwise equal, "
+            "saving whole and sharded") {
+    const auto dir = fresh_dir("parallel_zero3_pipeline");
+    RemoveOnExit cleanup{dir};
+    for (const auto type : {full_state, sharded_state}) {
+      fs::remove_all(dir);
+      accel::spawn(4, [&](int) {
+        parallel_interrupted_equals_uninterrupted<accel::ZeRO<3>>(
+            dir, {.data = {.state_dict_type = type}, .pipeline = 2, .micro_batches = 2}, 3, 7);
+      }, bounded(240s));
+    }
+    CHECK(fs::exists(dir / "model_0_part_1_shard_1.pt"));
+  }
+
   TEST_CASE("a Parallel<ZeRO<1>> checkpoint from data 2 x tensor 2 resumes on data 1 x tensor 2 (the optimizer "
             "state resharded) and matches one process") {
     const std::int64_t b = 4, k = 3, n = 6;  // per-data-rank batch b on 2 data ranks, then 2b on 1

@@ -109,8 +109,9 @@ void data_by_tensor(int) {
 // Tensor 2 x pipeline 2 (x whatever data size the world leaves), per-data-rank
 // batch b, against one process on the global batch. Stage boundaries (after
 // 3 layers) fall where the activations are whole.
+template <class Data = accel::DDP>
 void tensor_by_pipeline(int steps, std::int64_t b) {
-  accel::Trainer<accel::Parallel<>> trainer(accel::Parallel<>{.tensor = 2, .pipeline = 2, .micro_batches = 2});
+  accel::Trainer<accel::Parallel<Data>> trainer(accel::Parallel<Data>{.tensor = 2, .pipeline = 2, .micro_batches = 2});
   auto& mesh = trainer.strategy_engine().mesh();
   auto& tp = trainer.tensor_group();
   const int data = mesh.size(MeshDim::data), d = mesh.coordinate(MeshDim::data);
@@ -126,6 +127,7 @@ void tensor_by_pipeline(int steps, std::int64_t b) {
     auto batch = global_batch(step, b * data);
     trainer.step(batch.x.narrow(0, d * b, b), batch.y.narrow(0, d * b, b), cross_entropy);
   }
+  trainer.unwrap_model();  // ZeRO-3's parameters whole again
   const double moved = train_reference(reference, steps, b * data);
   require(moved > 1e-3, "the reference moved " + sci(moved) + ": the bound below could not fail");
   const int first = mesh.coordinate(MeshDim::pipeline) == 0 ? 0 : 3;  // this stage's layers
@@ -162,6 +164,7 @@ void data_by_pipeline(int) {
       loss = trainer.step(x.narrow(0, m * micro, micro), y.narrow(0, m * micro, micro), cross_entropy);
   }
   require(trainer.completed_steps() == steps, "one optimizer step per " + std::to_string(Accumulate) + " trainer steps");
+  trainer.unwrap_model();  // ZeRO-3's parameters whole again
   require(std::isfinite(loss) && loss > 0, "every stage reports the loss");
   const double moved = train_reference(reference, steps, b * data);
   require(moved > 1e-3, "the reference moved " + sci(moved) + ": the bound below could not fail");
@@ -242,22 +245,12 @@ TEST_SUITE("parallel") {
     accel::spawn(2, data_by_tensor<accel::Parallel<>, true>, bounded(120s));
   }
 
-  TEST_CASE("Parallel<ZeRO<3>> with a pipeline is refused before any rank connects, saying what to use") {
-    accel::spawn(
-        2,
-        [](int) {
-          try {
-            accel::Trainer<accel::Parallel<accel::ZeRO<3>>> trainer({.pipeline = 2});
-          } catch (const std::invalid_argument& e) {
-            require(std::string(e.what()).find("ZeRO-3 composes with tensor parallelism only: use "
-                                               "Parallel<ZeRO<1>> or Parallel<ZeRO<2>> with a pipeline") !=
-                        std::string::npos,
-                    e.what());
-            return;
-          }
-          require(false, "must refuse");
-        },
-        bounded());
+  TEST_CASE("Parallel<ZeRO<3>> with a pipeline (FSDP x pipeline) equals one process: data 2 x pipeline 2, also "
+            "accumulating 2 steps; tensor 2 x pipeline 2; data 2 x tensor 2 x pipeline 2 on 8 ranks") {
+    accel::spawn(4, data_by_pipeline<accel::ZeRO<3>, 1, 4>, bounded(120s));
+    accel::spawn(4, data_by_pipeline<accel::ZeRO<3>, 2>, bounded(120s));
+    accel::spawn(4, [](int) { tensor_by_pipeline<accel::ZeRO<3>>(3, 4); }, bounded(120s));
+    accel::spawn(8, [](int) { tensor_by_pipeline<accel::ZeRO<3>>(2, 2); }, bounded(180s));
   }
 
   TEST_CASE_TEMPLATE("data 2 x pipeline 2 (4 micro-batches per data rank) equals one process", Data, accel::DDP,

@@ -248,6 +248,16 @@ inline std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
+// Every parameter the checkpoint holds sharded must be one `loaded` names:
+// a name the model lacks would otherwise be skipped without a word.
+inline void require_all_loaded(const ShardedModelReader& reader, std::vector<std::string> loaded) {
+  std::sort(loaded.begin(), loaded.end());
+  for (const auto& name : reader.parameter_names())
+    if (!std::binary_search(loaded.begin(), loaded.end(), name))
+      throw CheckpointError("the prepared model has no parameter '" + name +
+                            "', which the checkpoint holds (a pipeline stage's shards load with SHARDED_STATE_DICT)");
+}
+
 inline void check_shape(const ShardedModelReader& reader, const std::string& name, const std::vector<std::int64_t>& shape) {
   if (reader.shape_of(name) != shape)
     throw CheckpointError("parameter '" + name + "' has shape " + nlohmann::json(reader.shape_of(name)).dump() +
@@ -280,6 +290,10 @@ inline void load_sharded_into_shards(ShardedModelReader& reader, torch::nn::Modu
                                      const strategy::ShardedParameters& mine, const strategy::ShardLayout& layout) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> targets;
+  std::vector<std::string> names;
+  for (const auto& bucket : mine.buckets)
+    for (const auto& p : bucket.parameters) names.push_back(p.name);
+  detail::require_all_loaded(reader, names);
   for (std::size_t b = 0; b < mine.buckets.size(); ++b) {
     const auto& bucket = mine.buckets[b];
     const std::int64_t shard = bucket.padded / layout.count;
@@ -304,6 +318,9 @@ inline void load_sharded_into_shards(ShardedModelReader& reader, torch::nn::Modu
 inline void load_sharded_into_module(ShardedModelReader& reader, torch::nn::Module& module) {
   c10::NoGradGuard no_grad;
   std::vector<std::pair<at::Tensor, at::Tensor>> staged;  // (parameter, host copy)
+  std::vector<std::string> names;
+  for (auto& item : module.named_parameters()) names.push_back(item.key());
+  detail::require_all_loaded(reader, names);
   for (auto& item : module.named_parameters()) {
     if (!reader.has(item.key())) continue;  // kept whole: below
     detail::check_shape(reader, item.key(), item.value().sizes().vec());

@@ -338,7 +338,7 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
     try {
       ShardedModelReader reader(dir, files);
       if (mine) {
-        load_sharded_into_shards(reader, *t.models[0], *mine, *shards);
+        load_sharded_into_shards(reader, *mine->module, *mine, *shards);
       } else {
         t.engine.gather_full_parameters();
         load_sharded_into_module(reader, *t.models[0]);
@@ -453,7 +453,7 @@ inline void save_state(TrainerView& t, const std::filesystem::path& dir) {
   const auto sharded = t.engine.sharded_parameters();
   if (sharded) {
     // Each rank its own shards (NOTE [Sharded checkpoints]): the model is never whole.
-    save_sharded_model(target, names.sharded_model(0), *t.models[0], *sharded, *shards);
+    save_sharded_model(target, names.sharded_model(0), *sharded->module, *sharded, *shards);
   } else {
     // ZeRO-3 holds only shards: every rank helps gather the full model first.
     t.engine.gather_full_parameters();

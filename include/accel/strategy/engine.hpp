@@ -91,10 +91,12 @@ struct FlatBucket {
 };
 /// What a sharded checkpoint holds of this rank (NOTE [Sharded checkpoints]):
 /// the buckets' plan and this rank's shard of each (the engine's own
-/// tensors: a load writes into them).
+/// tensors: a load writes into them), and the module the engine prepared,
+/// whose names the plan uses (a pipeline stage's, not the whole model's).
 struct ShardedParameters {
   std::vector<FlatBucket> buckets;
   std::vector<at::Tensor> shards;
+  torch::nn::Module* module = nullptr;
 };
 
 /// Whether the full parameters, gathered for a checkpoint, were overwritten

@@ -5,7 +5,8 @@
 // layers communicate over; the pipeline group carries a Pipeline over the
 // model's stages.
 //
-// Under pipeline parallelism the stage's backward runs once per
+// Under ZeRO-3 with a pipeline, the stage's units stay gathered for the
+// whole schedule of a step (pipeline_step). Under pipeline parallelism the stage's backward runs once per
 // micro-batch, so the data-parallel engine accumulates without
 // communicating and launches all its buckets once the last micro-batch is
 // done (the pipeline's schedule already leaves no idle time to overlap into).
@@ -65,13 +66,6 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
       throw std::invalid_argument("accel Parallel: virtual_stages = " + std::to_string(settings.virtual_stages) +
                                   " without a pipeline (pipeline = 1)");
     detail::mesh_shape_for(world_size, settings.tensor, settings.pipeline);
-    // ZeRO-3 gathers a unit when its forward runs and frees it after; a
-    // pipeline runs a stage's forwards and backwards interleaved over
-    // micro-batches, which that life cycle does not follow.
-    if (std::is_same_v<Data, ZeRO<3>> && settings.pipeline > 1)
-      throw std::invalid_argument("accel Parallel<ZeRO<3>>: pipeline = " + std::to_string(settings.pipeline) +
-                                  ", but ZeRO-3 composes with tensor parallelism only: use Parallel<ZeRO<1>> or "
-                                  "Parallel<ZeRO<2>> with a pipeline");
   }
 
   ParallelEngine(const Parallel<Data>& settings, comm::Communicator& world)
@@ -123,12 +117,19 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
   /// of the loss times `loss_multiplier`; on a micro-step that synchronises
   /// (`sync`), the data-parallel reduction is launched at its end. Returns
   /// the loss.
+  /// Under ZeRO-3 the stage's units are gathered once for the whole
+  /// schedule and freed after it (as torchtitan runs FSDP under a pipeline,
+  /// without resharding after each micro-batch's forward): a unit's gather
+  /// and free per micro-batch would repeat its all-gather m times, and the
+  /// forwards and backwards of different micro-batches interleave.
   template <class LossFn>
   double pipeline_step(const at::Tensor& inputs, const at::Tensor& targets, LossFn&& loss_fn, double loss_multiplier,
                        bool sync) {
     this->inner_.set_gradient_sync(false);
     this->inner_.before_backward(at::Tensor());
+    this->inner_.gather_full_parameters();  // ZeRO-3: the stage's units; others hold them already
     const double loss = pipeline_->train_step(inputs, targets, std::forward<LossFn>(loss_fn), loss_multiplier);
+    this->inner_.release_full_parameters(FullParameters::unchanged);
     if (sync) this->inner_.launch_all_buckets();
     return loss;
   }

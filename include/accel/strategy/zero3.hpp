@@ -409,7 +409,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   /// (NOTE [Sharded checkpoints]); a load writes into them.
   std::optional<ShardedParameters> sharded_parameters() const {
     if (settings_.state_dict_type != StateDictType::SHARDED_STATE_DICT) return std::nullopt;
-    return ShardedParameters{flat_buckets(), z3_->shards};
+    return ShardedParameters{flat_buckets(), z3_->shards, model_};
   }
 
   /// Rank r holds shard r of every bucket (NOTE [ZeRO shards]).
