@@ -714,6 +714,25 @@ TEST_SUITE("checkpoint") {
       }, bounded(240s));
     }
     CHECK(fs::exists(dir / "model_0_part_1_shard_1.pt"));
+    // A stage's shards are named within the stage: a trainer that would read
+    // them into its whole model is refused rather than misplace them.
+    accel::spawn(
+        4,
+        [&](int) {
+          accel::Trainer<accel::Parallel<accel::ZeRO<3>>> trainer({.pipeline = 2, .micro_batches = 2});
+          auto net = tensor_parallel_mlp(trainer.tensor_group());
+          torch::optim::Adam opt(net->parameters());
+          trainer.prepare(net, opt);
+          try {
+            trainer.load_state(dir);
+          } catch (const accel::checkpoint::CheckpointError& e) {
+            require(std::string(e.what()).find("holds each model part's shards (SHARDED_STATE_DICT)") != std::string::npos,
+                    e.what());
+            return;
+          }
+          require(false, "must refuse");
+        },
+        bounded(120s));
   }
 
   TEST_CASE("a Parallel<ZeRO<1>> checkpoint from data 2 x tensor 2 resumes on data 1 x tensor 2 (the optimizer "

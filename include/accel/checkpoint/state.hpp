@@ -339,6 +339,11 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
       ShardedModelReader reader(dir, files);
       if (mine) {
         load_sharded_into_shards(reader, *mine->module, *mine, *shards);
+      } else if (part.count > 1) {
+        // A part's shards are named within the module its engine prepared
+        // (a pipeline stage's), not within the whole model this rank holds.
+        throw CheckpointError(where + "holds each model part's shards (SHARDED_STATE_DICT): load it with a "
+                              "Parallel<ZeRO<3>> trainer whose state_dict_type is SHARDED_STATE_DICT");
       } else {
         t.engine.gather_full_parameters();
         load_sharded_into_module(reader, *t.models[0]);
