@@ -236,6 +236,28 @@ void parallel_interrupted_equals_uninterrupted(const fs::path& dir, accel::Paral
   require_identical(resumed, *resumed_opt, straight, *straight_opt);
 }
 
+// On `world` ranks, a Trainer<Settings> with the tensor-parallel MLP must
+// refuse to load `dir`, saying `expected`.
+template <class Settings>
+void load_refused(int world, const fs::path& dir, Settings settings, const std::string& expected) {
+  accel::spawn(
+      world,
+      [&](int) {
+        accel::Trainer<Settings> trainer(settings);
+        auto net = tensor_parallel_mlp(trainer.tensor_group());
+        torch::optim::Adam opt(net->parameters());
+        trainer.prepare(net, opt);
+        try {
+          trainer.load_state(dir);
+        } catch (const accel::checkpoint::CheckpointError& e) {
+          require(std::string(e.what()).find(expected) != std::string::npos, e.what());
+          return;
+        }
+        require(false, "must refuse: " + expected);
+      },
+      bounded(120s));
+}
+
 }  // namespace
 
 TEST_SUITE("checkpoint") {
@@ -716,23 +738,8 @@ TEST_SUITE("checkpoint") {
     CHECK(fs::exists(dir / "model_0_part_1_shard_1.pt"));
     // A stage's shards are named within the stage: a trainer that would read
     // them into its whole model is refused rather than misplace them.
-    accel::spawn(
-        4,
-        [&](int) {
-          accel::Trainer<accel::Parallel<accel::ZeRO<3>>> trainer({.pipeline = 2, .micro_batches = 2});
-          auto net = tensor_parallel_mlp(trainer.tensor_group());
-          torch::optim::Adam opt(net->parameters());
-          trainer.prepare(net, opt);
-          try {
-            trainer.load_state(dir);
-          } catch (const accel::checkpoint::CheckpointError& e) {
-            require(std::string(e.what()).find("holds each model part's shards (SHARDED_STATE_DICT)") != std::string::npos,
-                    e.what());
-            return;
-          }
-          require(false, "must refuse");
-        },
-        bounded(120s));
+    load_refused(4, dir, accel::Parallel<accel::ZeRO<3>>{.pipeline = 2, .micro_batches = 2},
+                 "holds each model part's shards (SHARDED_STATE_DICT)");
   }
 
   TEST_CASE("a Parallel<ZeRO<1>> checkpoint from data 2 x tensor 2 resumes on data 1 x tensor 2 (the optimizer "
@@ -789,29 +796,10 @@ TEST_SUITE("checkpoint") {
     RemoveOnExit cleanup{dir};
     accel::spawn(2, [&](int) { parallel_interrupted_equals_uninterrupted<accel::DDP>(dir, {.tensor = 2}, 1, 1); },
                  bounded(120s));
-    auto refused = [&](auto trainer_settings, const std::string& expected) {
-      using Trainer = accel::Trainer<decltype(trainer_settings)>;
-      accel::spawn(
-          2,
-          [&](int) {
-            Trainer trainer(trainer_settings);
-            auto net = tensor_parallel_mlp(trainer.tensor_group());
-            torch::optim::Adam opt(net->parameters());
-            trainer.prepare(net, opt);
-            try {
-              trainer.load_state(dir);
-            } catch (const accel::checkpoint::CheckpointError& e) {
-              require(std::string(e.what()).find(expected) != std::string::npos, e.what());
-              return;
-            }
-            require(false, "must refuse");
-          },
-          bounded(120s));
-    };
-    refused(accel::Parallel<>{.pipeline = 2, .micro_batches = 2},
+    load_refused(2, dir, accel::Parallel<>{.pipeline = 2, .micro_batches = 2},
             "holds the model cut as tensor 2 x pipeline 1 (2 part(s)), but this trainer cuts it as tensor 1 x "
             "pipeline 2 (2 part(s))");
-    refused(accel::DDP{}, "but this trainer cuts it as whole (1 part(s))");
+    load_refused(2, dir, accel::DDP{}, "but this trainer cuts it as whole (1 part(s))");
   }
 
   TEST_CASE("SHARDED_STATE_DICT under ZeRO-3, cpu_offload, HybridShard 2x2 and data 2 x tensor 2: each rank writes "
