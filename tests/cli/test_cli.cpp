@@ -711,6 +711,32 @@ TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the sa
     CHECK(w.status == 0);
     CHECK(json == nlohmann::json::parse(read_file(flagged)));
   }
+  SUBCASE("FULL_SHARD: the wrap policy and the state dict type asked, the same file as the flags write") {
+    const std::string asked = dir.file("full.json"), flagged = dir.file("full_flags.json");
+    auto r = run_in_terminal({"config", "--config_file", asked}, dir,
+                             {{"Which type of machine are you using?", "multi-CPU"},
+                              {"How many different machines", ""},
+                              {"Should distributed operations be checked", "no"},
+                              {"Do you want to use FullyShardedDataParallel", "y"},
+                              {"What should be your sharding strategy?", "FULL_SHARD"},
+                              {"offload parameters and gradients to CPU?", "no"},
+                              {"What should be your auto wrap policy?", "NO_WRAP"},
+                              {"What should be your FSDP's state dict type?", "SHARDED_STATE_DICT"},
+                              {"How many CPU processes in total", "2"},
+                              {"Do you wish to use mixed precision?", "no"},
+                              {"How many gradient accumulation steps?", "1"}});
+    INFO(r);
+    CHECK(r.status == 0);
+    const auto json = nlohmann::json::parse(read_file(asked));
+    CHECK(json["fsdp_config"]["fsdp_state_dict_type"] == "SHARDED_STATE_DICT");
+    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD",
+                        "--fsdp_offload_params", "false", "--fsdp_auto_wrap_policy", "NO_WRAP",
+                        "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--cpu", "--num_processes", "2",
+                        "--mixed_precision", "no", "--gradient_accumulation_steps", "1", "--num_machines", "1"},
+                       dir);
+    CHECK(w.status == 0);
+    CHECK(json == nlohmann::json::parse(read_file(flagged)));
+  }
   SUBCASE("several machines: rank, address and port asked, out-of-range answers asked again") {
     const std::string path = dir.file("two.json");
     auto r = run_in_terminal({"config", "--config_file", path}, dir,

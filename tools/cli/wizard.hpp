@@ -137,6 +137,8 @@ inline LaunchSettings ask_config(Questions& q, bool gpus) {
                                              std::string());
           if (!classes.empty()) s.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] = classes;
         }
+        s.fsdp_config["fsdp_state_dict_type"] = q.choice(
+            "What should be your FSDP's state dict type?", {"FULL_STATE_DICT", "SHARDED_STATE_DICT"}, 0);
       }
     }
     const int machines = *s.num_machines;
