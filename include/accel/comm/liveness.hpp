@@ -64,7 +64,8 @@ class Liveness {
 
   /// What a failed collective can say about its peers, e.g. "rank 2 is gone
   /// (its heartbeat stopped: died or froze)", or that every rank is alive
-  /// (so one skipped the collective). Takes about 3 periods; never throws.
+  /// (so one skipped the collective). Takes about 3 periods, 5 when a rank
+  /// seems silent (it is looked at twice); never throws.
   /// `failed_at_once`: the collective failed well before its timeout, so a
   /// rank that never came is not the likely cause when every rank is alive.
   std::string diagnose(bool failed_at_once = false) const noexcept {
@@ -76,6 +77,13 @@ class Liveness {
       std::vector<int> silent;  // neither beating nor failed in a collective of their own
       for (int r = 0; r < world_size_; ++r)
         if (r != rank_ && second[r] == first[r] && !store->check({failed_key(r)})) silent.push_back(r);
+      if (!silent.empty()) {
+        // A beat can come late on a loaded machine (seen once in CI: a rank
+        // asleep, alive, was called gone): look again before saying so.
+        std::this_thread::sleep_for(2 * period_);
+        const auto third = read_all(*store);
+        std::erase_if(silent, [&](int r) { return third[r] != second[r] || store->check({failed_key(r)}); });
+      }
       // Only after a death do the survivors fail together and need the store for their roll calls.
       if (rank_ == 0 && !silent.empty()) hold_store_for_peers(*store, silent);
       if (silent.empty() && failed_at_once)
@@ -106,12 +114,14 @@ class Liveness {
   // that their roll calls find the store.
   void hold_store_for_peers(c10d::TCPStore& store, const std::vector<int>& gone) const {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    bool others = false;
     for (int r = 1; r < world_size_; ++r) {
       if (std::find(gone.begin(), gone.end(), r) != gone.end()) continue;
+      others = true;
       while (!store.check({failed_key(r)}) && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    std::this_thread::sleep_for(4 * period_);  // the last one's roll call reads the store for 3 periods
+    if (others) std::this_thread::sleep_for(6 * period_);  // the last one's roll call reads the store for up to 5 periods
   }
 
   std::unique_ptr<c10d::TCPStore> connect(std::chrono::milliseconds timeout) const {
