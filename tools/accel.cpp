@@ -242,8 +242,7 @@ int export_command(const std::vector<std::string>& args) {
   }
   if (positional.size() != 2) throw UsageError("expected <checkpoint dir> <model.pt> (usage: accel export --help)");
   // A sharded model is joined by the program that links LibTorch.
-  if (accel::checkpoint::read_manifest(positional[0]).value("model_state_dict", std::string()) == "SHARDED_STATE_DICT")
-    run_merge_weights(args);
+  if (accel::checkpoint::holds_sharded_model(accel::checkpoint::read_manifest(positional[0]))) run_merge_weights(args);
   accel::checkpoint::export_model(positional[0], positional[1], model);
   std::printf("accel export: wrote %s\n", positional[1].c_str());
   return 0;

@@ -91,6 +91,35 @@ inline nlohmann::json file_sizes(const fs::path& dir) {
   return files;
 }
 
+/// Whether a checkpoint holds its model as shards (NOTE [Sharded checkpoints]
+/// in checkpoint/sharded.hpp), which only a program linking LibTorch joins.
+inline bool holds_sharded_model(const nlohmann::json& manifest) {
+  return manifest.value("model_state_dict", std::string("FULL_STATE_DICT")) == "SHARDED_STATE_DICT";
+}
+
+/// The manifest of a checkpoint whose model `model_index` can be written as
+/// one file: not cut into parts by tensor or pipeline parallelism, and there.
+inline nlohmann::json manifest_of_whole_model(const fs::path& dir, int model_index) {
+  auto manifest = read_manifest(dir);
+  const int parts = manifest.value("model_parts", 1);
+  if (parts != 1)
+    throw CheckpointError("accel: checkpoint " + dir.string() + " holds the model cut into " + std::to_string(parts) +
+                          " parts (" + manifest.value("model_layout", std::string("?")) +
+                          "): there is no whole model to write; each part is saved on its own (model_<i>_part_<p>...)");
+  const auto models = manifest.at("models").size();
+  if (model_index < 0 || static_cast<std::size_t>(model_index) >= models)
+    throw CheckpointError("accel: checkpoint " + dir.string() + " holds " + std::to_string(models) +
+                          " model(s); there is no model " + std::to_string(model_index));
+  return manifest;
+}
+
+/// Model `model_index`'s file of a checked whole-model checkpoint, copied to `out` atomically.
+inline void copy_model_file(const fs::path& dir, const fs::path& out, int model_index) {
+  const fs::path temp = out.string() + ".tmp";
+  fs::copy_file(dir / ("model_" + std::to_string(model_index) + ".pt"), temp, fs::copy_options::overwrite_existing);
+  fs::rename(temp, out);
+}
+
 /// Consolidation for export: the full model of a (possibly sharded)
 /// checkpoint as one LibTorch file, loadable with torch::load into the
 /// unsharded model. accel saves the model whole (ZeRO-3 gathers it unit by
@@ -99,19 +128,8 @@ inline nlohmann::json file_sizes(const fs::path& dir) {
 /// optimizer state stays sharded in the checkpoint.
 ///   accel export checkpoints/checkpoint_7 model.pt
 inline void export_model(const fs::path& dir, const fs::path& out, int model_index = 0) {
-  const auto manifest = read_manifest(dir);
-  const int parts = manifest.value("model_parts", 1);
-  if (parts != 1)
-    throw CheckpointError("accel: checkpoint " + dir.string() + " holds the model cut into " + std::to_string(parts) +
-                          " parts (" + manifest.value("model_layout", std::string("?")) +
-                          "): there is no whole model file to export; each part is model_<i>_part_<p>.pt");
-  const auto models = manifest.at("models").size();
-  if (model_index < 0 || static_cast<std::size_t>(model_index) >= models)
-    throw CheckpointError("accel: checkpoint " + dir.string() + " holds " + std::to_string(models) +
-                          " model(s); there is no model " + std::to_string(model_index));
-  const fs::path temp = out.string() + ".tmp";
-  fs::copy_file(dir / ("model_" + std::to_string(model_index) + ".pt"), temp, fs::copy_options::overwrite_existing);
-  fs::rename(temp, out);
+  (void)manifest_of_whole_model(dir, model_index);
+  copy_model_file(dir, out, model_index);
 }
 
 /// `checkpoint_<n>` folders under `root`, oldest first.

@@ -142,7 +142,6 @@ class ShardedModelReader {
     }
   }
 
-  int shard_count() const { return shards_; }
   bool has(const std::string& name) const { return where_.contains(name); }
   std::vector<std::int64_t> shape_of(const std::string& name) const { return where_of(name).shape; }
   /// The element type its bucket was saved in.
@@ -403,25 +402,11 @@ inline void merge_sharded_model(const fs::path& dir, const ShardedModelFiles& fi
   fs::rename(temp, out);
 }
 
-/// Whether a checkpoint holds its model as shards (NOTE [Sharded checkpoints]).
-inline bool holds_sharded_model(const nlohmann::json& manifest) {
-  return manifest.value("model_state_dict", std::string("FULL_STATE_DICT")) == "SHARDED_STATE_DICT";
-}
-
 /// A checkpoint's full model as one LibTorch file: the shards joined, or
 /// the whole model's file copied (export_model).
 inline void consolidate_model(const fs::path& dir, const fs::path& out, int model_index = 0) {
-  const auto manifest = read_manifest(dir);
-  if (!holds_sharded_model(manifest)) return export_model(dir, out, model_index);
-  const int parts = manifest.value("model_parts", 1);
-  if (parts != 1)
-    throw CheckpointError("accel: checkpoint " + dir.string() + " holds the model cut into " + std::to_string(parts) +
-                          " parts (" + manifest.value("model_layout", std::string("?")) +
-                          "): there is no whole model to write; each part's shards are model_<i>_part_<p>_shard_<s>.pt");
-  if (model_index != 0)
-    throw CheckpointError("accel: checkpoint " + dir.string() + " holds 1 sharded model; there is no model " +
-                          std::to_string(model_index));
-  merge_sharded_model(dir, {"model_0"}, out);
+  if (!holds_sharded_model(manifest_of_whole_model(dir, model_index))) return copy_model_file(dir, out, model_index);
+  merge_sharded_model(dir, {"model_" + std::to_string(model_index)}, out);
 }
 
 }  // namespace accel::checkpoint
