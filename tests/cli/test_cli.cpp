@@ -540,13 +540,13 @@ TEST_CASE("launch: config file values, flag overrides, nested sections") {
     write_file(fsdp, R"({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": false}})");
     auto r = launch_sh({"--config_file", fsdp, "--use_fsdp", "--fsdp_offload_params", "true", "--fsdp_auto_wrap_policy",
                         "SIZE_BASED_WRAP", "--fsdp_min_num_params", "1000", "--fsdp_state_dict_type",
-                        "SHARDED_STATE_DICT", "-q"},
+                        "SHARDED_STATE_DICT", "--fsdp_activation_checkpointing", "true", "-q"},
                        "echo \"$ACCELERATE_USE_FSDP $FSDP_OFFLOAD_PARAMS $FSDP_AUTO_WRAP_POLICY $FSDP_MIN_NUM_PARAMS "
-                       "$FSDP_STATE_DICT_TYPE\"",
+                       "$FSDP_STATE_DICT_TYPE $FSDP_ACTIVATION_CHECKPOINTING\"",
                        dir);
     INFO(r);
     CHECK(r.status == 0);
-    CHECK(r.out == "[rank 0] true true SIZE_BASED_WRAP 1000 SHARDED_STATE_DICT\n");
+    CHECK(r.out == "[rank 0] true true SIZE_BASED_WRAP 1000 SHARDED_STATE_DICT true\n");
     auto local = launch_sh({"--fsdp_state_dict_type", "LOCAL_STATE_DICT"}, "echo SHOULD-NOT-RUN", dir);
     INFO(local);
     CHECK(local.status == 2);
@@ -732,6 +732,36 @@ TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the sa
     auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD",
                         "--fsdp_offload_params", "false", "--fsdp_auto_wrap_policy", "NO_WRAP",
                         "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--cpu", "--num_processes", "2",
+                        "--mixed_precision", "no", "--gradient_accumulation_steps", "1", "--num_machines", "1"},
+                       dir);
+    CHECK(w.status == 0);
+    CHECK(json == nlohmann::json::parse(read_file(flagged)));
+  }
+  SUBCASE("TRANSFORMER_BASED_WRAP: the classes and activation checkpointing asked, the same file as the flags write") {
+    const std::string asked = dir.file("blocks.json"), flagged = dir.file("blocks_flags.json");
+    auto r = run_in_terminal({"config", "--config_file", asked}, dir,
+                             {{"Which type of machine are you using?", "multi-CPU"},
+                              {"How many different machines", ""},
+                              {"Should distributed operations be checked", "no"},
+                              {"Do you want to use FullyShardedDataParallel", "y"},
+                              {"What should be your sharding strategy?", "HYBRID_SHARD"},
+                              {"offload parameters and gradients to CPU?", "no"},
+                              {"What should be your auto wrap policy?", "TRANSFORMER_BASED_WRAP"},
+                              {"comma-separated list of module class names", "BlockImpl"},
+                              {"What should be your FSDP's state dict type?", "FULL_STATE_DICT"},
+                              {"Do you want to enable FSDP activation checkpointing?", "yes"},
+                              {"How many CPU processes in total", "4"},
+                              {"Do you wish to use mixed precision?", "no"},
+                              {"How many gradient accumulation steps?", "1"}});
+    INFO(r);
+    CHECK(r.status == 0);
+    const auto json = nlohmann::json::parse(read_file(asked));
+    CHECK(json["fsdp_config"]["fsdp_activation_checkpointing"] == true);
+    CHECK(json["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "BlockImpl");
+    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD",
+                        "--fsdp_offload_params", "false", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                        "--fsdp_transformer_layer_cls_to_wrap", "BlockImpl", "--fsdp_state_dict_type",
+                        "FULL_STATE_DICT", "--fsdp_activation_checkpointing", "true", "--cpu", "--num_processes", "4",
                         "--mixed_precision", "no", "--gradient_accumulation_steps", "1", "--num_machines", "1"},
                        dir);
     CHECK(w.status == 0);

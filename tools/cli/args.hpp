@@ -182,6 +182,10 @@ inline const std::vector<FlagSpec>& flag_table() {
        "what save_state writes of a ZeRO<3>/HybridShard model: FULL_STATE_DICT (whole, one file) or "
        "SHARDED_STATE_DICT (each rank's shard; accel merge-weights joins them)",
        fsdp_setter("fsdp_state_dict_type", {"FULL_STATE_DICT", "SHARDED_STATE_DICT"})},
+      {"--fsdp_activation_checkpointing", "", "{true,false}", "FSDP", FlagScope::config_key,
+       "every unit of the auto-wrap policy recomputes its activations in backward (ZeRO<N>'s "
+       "activation_checkpointing)",
+       fsdp_setter("fsdp_activation_checkpointing", {"true", "false"})},
       {"--config_file", "", "FILE", "General", FlagScope::general,
        "JSON config with Accelerate's keys (default $HF_HOME/accelerate/default_config.json, else "
        "~/.cache/huggingface/accelerate/default_config.json); flags override it",

@@ -139,6 +139,9 @@ inline LaunchSettings ask_config(Questions& q, bool gpus) {
         }
         s.fsdp_config["fsdp_state_dict_type"] = q.choice(
             "What should be your FSDP's state dict type?", {"FULL_STATE_DICT", "SHARDED_STATE_DICT"}, 0);
+        if (wrap != "NO_WRAP")  // it checkpoints the units, which NO_WRAP has none of
+          s.fsdp_config["fsdp_activation_checkpointing"] =
+              q.yes_no("Do you want to enable FSDP activation checkpointing?", false);
       }
     }
     const int machines = *s.num_machines;

@@ -95,9 +95,15 @@ struct ZeRO {
   double bucket_cap_mb = 25.0;        ///< stages 1 and 2: gradient bucket size
   double first_bucket_cap_mb = 1.0;
   bool find_unused_parameters = false;
-  AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::NO_WRAP;  ///< stage 3
-  std::int64_t min_num_params = 100'000'000;                   ///< stage 3, SIZE_BASED_WRAP
-  std::vector<std::string> transformer_layer_cls_to_wrap{};    ///< stage 3, e.g. {"BlockImpl"}
+  /// Stage 3's units; at any stage, the units activation_checkpointing checkpoints.
+  AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::NO_WRAP;
+  std::int64_t min_num_params = 100'000'000;                 ///< SIZE_BASED_WRAP
+  std::vector<std::string> transformer_layer_cls_to_wrap{};  ///< TRANSFORMER_BASED_WRAP, e.g. {"BlockImpl"}
+  /// Every unit of the auto-wrap policy runs under accel::nn::checkpoint, its
+  /// activations recomputed in backward (Accelerate's
+  /// fsdp_activation_checkpointing; NOTE [Checkpointing wrapped units]: a
+  /// unit is reached through the torch::nn::Sequential entry that holds it).
+  bool activation_checkpointing = false;
   /// The optimizer steps host-memory twins of this rank's shards, so its
   /// state never occupies the device (NOTE [CPU offload]); Accelerate's
   /// fsdp_offload_params, DeepSpeed's offload_optimizer_device: cpu.

@@ -78,6 +78,7 @@ inline void check_launcher_sharding(const char* compiled) {
 //   FSDP_MIN_NUM_PARAMS            an integer                                           (SIZE_BASED_WRAP)
 //   FSDP_TRANSFORMER_CLS_TO_WRAP   class names, comma-separated                         (TRANSFORMER_BASED_WRAP)
 //   FSDP_STATE_DICT_TYPE           FULL_STATE_DICT | SHARDED_STATE_DICT                 (ZeRO-3, HybridShard)
+//   FSDP_ACTIVATION_CHECKPOINTING  true/false  -> activation_checkpointing (any ZeRO stage, HybridShard)
 // A value that cannot be read, or offload for a strategy that shards no
 // optimizer state, is a ConfigurationError naming the variable.
 inline bool launcher_flag(const char* name) {
@@ -96,7 +97,8 @@ inline bool debug_mode(const std::optional<bool>& configured) {
   return configured ? *configured : launcher_flag(variables::debug_mode);
 }
 
-inline void apply_launcher_wrap_policy(ZeRO<3>& zero) {
+template <int Stage>
+void apply_launcher_wrap_policy(ZeRO<Stage>& zero) {
   if (auto policy = comm::process_environment(variables::fsdp_auto_wrap_policy)) {
     const auto named = auto_wrap_policy_named(*policy);
     if (!named)
@@ -144,11 +146,28 @@ void apply_launcher_state_dict_type(Strategy& strategy) {
                              "accel::HybridShard, or FULL_STATE_DICT");
 }
 
+// The ZeRO settings inside `strategy` (itself, HybridShard's .zero,
+// Parallel's .data); nullptr where there are none (DDP, SingleProcess).
+template <class Strategy>
+auto* zero_settings_of(Strategy& strategy) {
+  if constexpr (requires { strategy.auto_wrap_policy; }) return &strategy;
+  else if constexpr (requires { strategy.zero.auto_wrap_policy; }) return &strategy.zero;
+  else if constexpr (requires { strategy.data.auto_wrap_policy; }) return &strategy.data;
+  else return static_cast<ZeRO<3>*>(nullptr);
+}
+
 template <class Strategy>
 Strategy with_launcher_fsdp_settings(Strategy strategy) {
-  if constexpr (std::is_same_v<Strategy, ZeRO<3>>) apply_launcher_wrap_policy(strategy);
-  if constexpr (requires { strategy.zero; }) apply_launcher_wrap_policy(strategy.zero);
+  auto* zero = zero_settings_of(strategy);
+  if (zero != nullptr) apply_launcher_wrap_policy(*zero);
   apply_launcher_state_dict_type(strategy);
+  if (launcher_flag(variables::fsdp_activation_checkpointing)) {
+    if (zero == nullptr)
+      throw ConfigurationError("accel: the launcher asked for fsdp_activation_checkpointing=true but this program's "
+                               "Trainer strategy has no wrapped units: use accel::ZeRO<N> or an accel::FSDP strategy "
+                               "with an auto-wrap policy, or call accel::nn::checkpoint in the model's forward");
+    zero->activation_checkpointing = true;
+  }
   if (!launcher_flag(variables::fsdp_offload_params)) return strategy;
   if constexpr (requires { strategy.cpu_offload; }) strategy.cpu_offload = true;
   else if constexpr (requires { strategy.zero.cpu_offload; }) strategy.zero.cpu_offload = true;

@@ -24,6 +24,7 @@ inline constexpr const char* fsdp_auto_wrap_policy = "FSDP_AUTO_WRAP_POLICY";
 inline constexpr const char* fsdp_min_num_params = "FSDP_MIN_NUM_PARAMS";
 inline constexpr const char* fsdp_transformer_cls_to_wrap = "FSDP_TRANSFORMER_CLS_TO_WRAP";
 inline constexpr const char* fsdp_state_dict_type = "FSDP_STATE_DICT_TYPE";
+inline constexpr const char* fsdp_activation_checkpointing = "FSDP_ACTIVATION_CHECKPOINTING";
 /// torchrun's names: how many times `accel launch --max_restarts` has restarted the job, and its limit.
 inline constexpr const char* restart_count = "TORCHELASTIC_RESTART_COUNT";
 inline constexpr const char* max_restarts = "TORCHELASTIC_MAX_RESTARTS";

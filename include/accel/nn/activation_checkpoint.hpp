@@ -22,8 +22,12 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 
 #include <functional>
+#include <memory>
+#include <string>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -146,6 +150,44 @@ inline at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>&
                              const std::vector<at::Tensor>& parameters = {}) {
   return checkpoint(CheckpointedFunction([fn](const std::vector<at::Tensor>& in) { return fn(in[0]); }),
                     std::vector<at::Tensor>{input}, parameters);
+}
+
+/// A Sequential entry that runs its module under accel::nn::checkpoint.
+class CheckpointedEntryImpl : public torch::nn::Module {
+ public:
+  CheckpointedEntryImpl(torch::nn::AnyModule entry, std::string path)
+      : torch::nn::Module("accel::CheckpointedEntry"), entry_(std::move(entry)), path_(std::move(path)) {}
+
+  at::Tensor forward(const at::Tensor& input) {
+    std::vector<at::Tensor> parameters;  // used when the input needs no gradient (the data)
+    for (const auto& p : entry_.ptr()->parameters())
+      if (p.requires_grad()) parameters.push_back(p);
+    return checkpoint([this](const at::Tensor& in) { return run(in); }, input, parameters);
+  }
+
+  /// The module this entry checkpoints.
+  std::shared_ptr<torch::nn::Module> module() const { return entry_.ptr(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  at::Tensor run(const at::Tensor& input) {
+    try {
+      return entry_.forward<at::Tensor>(input);
+    } catch (const c10::Error& e) {
+      throw std::runtime_error("accel activation_checkpointing: the Sequential entry '" + path_ +
+                               "' (checkpointed, so called with one tensor for one tensor) failed: " +
+                               e.what_without_backtrace());
+    }
+  }
+
+  torch::nn::AnyModule entry_;
+  std::string path_;
+};
+
+/// The module a Sequential entry runs: the one it checkpoints, if it does.
+inline std::shared_ptr<torch::nn::Module> entry_module(const torch::nn::AnyModule& entry) {
+  if (auto* checkpointed = dynamic_cast<CheckpointedEntryImpl*>(entry.ptr().get())) return checkpointed->module();
+  return entry.ptr();
 }
 
 }  // namespace accel::nn

@@ -42,6 +42,7 @@
 
 #include "accel/comm/communicator.hpp"
 #include "accel/core/policies.hpp"
+#include "accel/nn/activation_checkpoint.hpp"
 
 namespace accel::pipeline {
 
@@ -132,11 +133,16 @@ class Pipeline {
   }
 
   /// This stage's layers as a module of their own (the same layer objects),
-  /// every chunk's in order.
+  /// every chunk's in order; a checkpointed layer (NOTE [Checkpointing
+  /// wrapped units]) is called as such and registered as the layer it runs.
   torch::nn::Sequential stage_module() const {
     torch::nn::Sequential module;
     for (const auto& chunk : chunks_)
-      for (const auto& layer : chunk) module->push_back(layer);
+      for (const auto& layer : chunk) {
+        module->push_back(layer);
+        if (auto runs = nn::entry_module(layer); runs != layer.ptr())
+          module->replace_module(std::to_string(module->size() - 1), runs);
+      }
     return module;
   }
 
@@ -145,7 +151,7 @@ class Pipeline {
     std::vector<at::Tensor> out;
     for (const auto& chunk : chunks_)
       for (const auto& layer : chunk)
-        for (auto& p : layer.ptr()->parameters()) out.push_back(p);
+        for (auto& p : nn::entry_module(layer)->parameters()) out.push_back(p);
     return out;
   }
   int virtual_stages() const { return options_.virtual_stages; }

@@ -111,8 +111,8 @@ class GradientBuckets {
     if (!sync) return;  // accumulate locally; the final micro-step communicates the sum
     if (ready[i])
       throw std::runtime_error(where() + ": parameter '" + names[i] +
-                               "' got its gradient twice in one backward (reentrant backward or activation "
-                               "checkpointing is not supported)");
+                               "' got its gradient twice in one backward (a second backward through the same graph before the "
+                               "step is not supported; accel::nn::checkpoint, which recomputes reentrantly, is)");
     ready[i] = 1;
     if (record) events.push_back({DDPEvent::gradient_ready, i});
     if (--buckets[bucket_of[i]].pending == 0) launch_ready();

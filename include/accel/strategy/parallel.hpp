@@ -29,6 +29,7 @@
 #include "accel/core/policies.hpp"
 #include "accel/nn/tensor_parallel_layer.hpp"
 #include "accel/pipeline/pipeline.hpp"
+#include "accel/strategy/unit_checkpointing.hpp"
 #include "accel/strategy/engine.hpp"
 #include "accel/strategy/ddp.hpp"
 #include "accel/strategy/zero.hpp"
@@ -82,6 +83,9 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
       if (!sequential)
         throw std::invalid_argument("accel Parallel: pipeline parallelism splits a torch::nn::Sequential; this model is a " +
                                     model.name());
+      // Before the split: the pipeline calls the layers it copies from the model.
+      if constexpr (requires { settings_.data.activation_checkpointing; })
+        checkpoint_wrapped_units(model, settings_.data, "Parallel");
       pipeline_.emplace(torch::nn::Sequential(sequential), mesh_.group(comm::MeshDim::pipeline),
                         pipeline::PipelineOptions{settings_.micro_batches, settings_.schedule, settings_.virtual_stages});
       stage_ = pipeline_->stage_module();

@@ -36,6 +36,7 @@
 #include "accel/core/policies.hpp"
 #include "accel/strategy/buckets.hpp"
 #include "accel/strategy/offload.hpp"
+#include "accel/strategy/unit_checkpointing.hpp"
 
 namespace accel::strategy {
 
@@ -50,8 +51,10 @@ class ZeROEngine : public BucketedEngineBase {
                                           settings.find_unused_parameters, false, comm.size(),
                                           Stage == 1 ? "ZeRO<1>" : "ZeRO<2>"},
                            comm),
-        offload_(settings.cpu_offload) {
+        offload_(settings.cpu_offload),
+        settings_(settings) {
     static_assert(complete_engine<ZeROEngine>);
+    check_unit_checkpointing(settings, name());
     if (settings.state_dict_type == StateDictType::SHARDED_STATE_DICT)
       throw ConfigurationError(std::string("accel ZeRO<") + std::to_string(Stage) +
                                ">: state_dict_type SHARDED_STATE_DICT is for ZeRO<3> and HybridShard, which hold only "
@@ -60,7 +63,10 @@ class ZeROEngine : public BucketedEngineBase {
     state_->launch = [this](std::size_t b) { launch(b); };
   }
 
-  void prepare_model(torch::nn::Module& model) { collect(model); }
+  void prepare_model(torch::nn::Module& model) {
+    collect(model);
+    checkpoint_wrapped_units(model, settings_, name());
+  }
 
   /// Plans the buckets by the optimizer's parameter groups, moves the
   /// parameters into flat buffers and points the optimizer at this rank's shards.
@@ -204,8 +210,11 @@ class ZeROEngine : public BucketedEngineBase {
   std::vector<at::Tensor> shards_;       // per bucket: (shard,) this rank's parameters, stepped by the optimizer
   std::vector<at::Tensor> grad_shards_;  // stage 2, per bucket: (shard,) the reduced gradient shard
   std::vector<at::Tensor> received_;     // stage 2 on Gloo: (padded,) chunks from every rank, until summed
+  static std::string name() { return "ZeRO<" + std::to_string(Stage) + ">"; }
+
   std::vector<comm::Pending> work_;
   HostOffload offload_;
+  ZeRO<Stage> settings_;
 };
 
 }  // namespace accel::strategy
