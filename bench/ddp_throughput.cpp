@@ -21,6 +21,12 @@
 //   --optimizer sgd|adam     SGD(lr=0.01) (default) or Adam(lr=1e-3)
 //   --cpu_offload 1          ZeRO strategies: the optimizer steps host twins (NOTE [CPU offload]);
 //                            on a CPU device this measures the offload path's copies alone
+//   --memory 1               every rank prints, for the whole run (prepare included), the most host
+//                            memory LibTorch had allocated at once (counted at the allocator), its
+//                            peak resident set (VmHWM: that, the process's own memory and what the C
+//                            library kept) and the activations' estimate (bench/memory_peaks.sh: the table)
+//   --return_host_memory 1   freed host blocks over 1 MiB go back to the system (NOTE [Returning host
+//                            memory], TrainerOptions::return_host_memory)
 //
 // The timed steps are measured by accel::bench::compare (<accel/bench.hpp>,
 // NOTE [Strategy comparison]), the library's own facility, with one
@@ -48,6 +54,10 @@
 #include <torch/optim/sgd.h>
 
 #include <accel/accel.hpp>
+#include <accel/device/allocation_counter.hpp>
+#include <accel/device/host_memory.hpp>
+#include <accel/device/peak_memory.hpp>
+#include <accel/estimate/shapes.hpp>
 #include <accel/bench.hpp>
 
 #include <time.h>
@@ -58,6 +68,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -320,11 +331,27 @@ int run(int argc, char** argv, const std::string& strategy_name) {
 int main(int argc, char** argv) {
   bench::one_thread();
   const std::string strategy = flag(argc, argv, "strategy", "ddp");
-  if (strategy == "ddp") return run<accel::DDP>(argc, argv, strategy);
-  if (strategy == "zero1") return run<accel::ZeRO<1>>(argc, argv, strategy);
-  if (strategy == "zero2") return run<accel::ZeRO<2>>(argc, argv, strategy);
-  if (strategy == "zero3") return run<accel::ZeRO<3>>(argc, argv, strategy);
-  std::fprintf(stderr, "ddp_throughput: --strategy must be ddp, zero1, zero2 or zero3, got '%s'\n",
-               strategy.c_str());
-  return EXIT_FAILURE;
+  std::optional<accel::device::HostAllocationCounter> counter;
+  if (flag(argc, argv, "memory", "0") == "1") counter.emplace();
+  // What TrainerOptions{.return_host_memory = true} does, for the whole process.
+  if (flag(argc, argv, "return_host_memory", "0") == "1") accel::device::return_freed_host_memory();
+  int status = EXIT_FAILURE;
+  if (strategy == "ddp") status = run<accel::DDP>(argc, argv, strategy);
+  else if (strategy == "zero1") status = run<accel::ZeRO<1>>(argc, argv, strategy);
+  else if (strategy == "zero2") status = run<accel::ZeRO<2>>(argc, argv, strategy);
+  else if (strategy == "zero3") status = run<accel::ZeRO<3>>(argc, argv, strategy);
+  else
+    std::fprintf(stderr, "ddp_throughput: --strategy must be ddp, zero1, zero2 or zero3, got '%s'\n",
+                 strategy.c_str());
+  if (counter) {
+    const char* rank = std::getenv("RANK");
+    const auto widths = parse_widths(flag(argc, argv, "widths", "512,1024,1024,1024,10"));
+    const auto activations =
+        accel::estimate::activation_bytes(accel::estimate::MlpShape{widths}, std::stoll(flag(argc, argv, "batch", "64")));
+    std::printf("MEMORY rank=%s allocated_peak_bytes=%lld resident_peak_bytes=%lld activation_bytes=%lld\n",
+                rank ? rank : "0", static_cast<long long>(counter->peak_bytes()),
+                static_cast<long long>(accel::device::peak_memory_bytes(at::Device(at::kCPU))),
+                static_cast<long long>(activations));
+  }
+  return status;
 }

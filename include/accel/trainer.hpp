@@ -47,6 +47,7 @@
 #include "accel/core/rules.hpp"
 #include "accel/data/loader.hpp"
 #include "accel/device/device.hpp"
+#include "accel/device/host_memory.hpp"
 #include "accel/device/out_of_memory.hpp"
 #include "accel/launch/settings.hpp"
 #include "accel/precision/autocast.hpp"
@@ -89,6 +90,11 @@ struct TrainerOptions {
   /// ("jsonl", "csv", "tensorboard", "all"; empty: "jsonl"), writing to
   /// project_dir/<project> (NOTE at the top of <accel/tracking/trackers.hpp>).
   std::vector<std::string> log_with{};
+  /// On the CPU device, freed host blocks over 1 MiB go back to the system
+  /// (NOTE [Returning host memory] in <accel/device/host_memory.hpp>), so the
+  /// resident set follows what the strategy holds, for the price of fresh
+  /// pages each step (ZeRO-3 measured 1.8x slower per step, DDP 2%).
+  bool return_host_memory = false;
 };
 
 namespace detail {
@@ -142,6 +148,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         scaling_(precision),
         accumulation_steps_(launch::accumulation_steps(options.gradient_accumulation_steps)) {
     (void)device;
+    if (device_.is_cpu() && options_.return_host_memory) device::return_freed_host_memory();
     launch::check_launcher_settings<Strategy, Precision>();
     (void)tracking::built_in_trackers(options_.log_with);  // a misspelt name fails here, not at init_trackers
   }

@@ -98,8 +98,8 @@ with tempfile.TemporaryDirectory() as tmp:
             killed.update(ranks)
             kills.append(victim)
         resumed += check_run(f"run {run}", job, kills, want, project)
-    if not resumed:
-        failures.append("no run resumed from a checkpoint: restarts from scratch reach the same weights too")
+    if not resumed:  # the kills are random; the run below resumes from a checkpoint by construction
+        print("no random run resumed from a checkpoint this time (the after_checkpoint run checks that)")
 
     # Killed once a checkpoint is complete, rank 0 (which hosts the store)
     # first: the restarted job must resume from it, not start again.

@@ -15,6 +15,9 @@
 #include <cstdlib>
 #include <set>
 
+#include <accel/device/host_memory.hpp>
+#include <accel/device/peak_memory.hpp>
+
 #include "doctest_torch.hpp"
 
 using namespace accel::testing;
@@ -176,6 +179,34 @@ TEST_SUITE("single_process") {
     env.set("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP");
     env.set("FSDP_MIN_NUM_PARAMS", "1e5");
     CHECK_THROWS_WITH(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_MIN_NUM_PARAMS='1e5'"));
+  }
+
+  TEST_CASE("TrainerOptions::return_host_memory: freed blocks leave the resident set, where glibc's raised "
+            "threshold kept them (the companion, before)") {
+    if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr || std::getenv("GLIBC_TUNABLES") != nullptr) return;
+    auto resident = [] { return accel::device::detail::status_kib("VmRSS") * 1024; };
+    // 32 blocks, each followed by a small one that stays, so that freeing the
+    // blocks leaves holes inside the heap rather than a top it would trim.
+    auto freed_from_resident = [&](std::int64_t block) {
+      std::vector<at::Tensor> blocks, pins;
+      for (int i = 0; i < 32; ++i) {
+        blocks.push_back(at::empty({block}, at::TensorOptions().dtype(at::kByte)).fill_(1));
+        pins.push_back(at::empty({4096}, at::TensorOptions().dtype(at::kByte)).fill_(1));
+      }
+      const auto before = resident();
+      blocks.clear();
+      return before - resident();
+    };
+    // glibc raises its threshold over a freed mapped block's size: now 2 MiB blocks come from its heap.
+    at::empty({16 << 20}, at::TensorOptions().dtype(at::kByte)).fill_(1);
+    const auto kept = freed_from_resident(2 << 20);
+    accel::Trainer<> trainer(accel::TrainerOptions{.return_host_memory = true});
+    // Larger than the holes just left (which the heap would reuse first): new blocks, each its own mapping.
+    const auto returned = freed_from_resident(5 << 20);
+    MESSAGE("32 freed blocks: " << kept / 1048576.0 << " of 64 MiB left the resident set before, "
+                                << returned / 1048576.0 << " of 160 MiB with return_host_memory");
+    CHECK(kept < 16 * (2 << 20));
+    CHECK(returned >= 20 * (5 << 20));  // the heap's free top may serve a few (8 of 32 measured)
   }
 
   TEST_CASE("a launcher asking for another precision than the compiled one is an error") {

@@ -13,6 +13,15 @@
 // been launched, `launch(bucket)` runs (the strategy issues its collective
 // there, asynchronously). Launch order is the bucket order on every rank,
 // whatever order the hooks fire in.
+// DDP and ZeRO-1 keep every bucket's buffer for good (their optimizer steps
+// the full gradients). ZeRO-2 and ZeRO-3 step only a shard, so their buffers
+// are lazy: a bucket's is allocated when its first gradient arrives (autograd
+// leaves that gradient in a tensor of its own, copied in), and before that,
+// and before each launch, the buckets already launched are retired: their
+// reduce-scatter waited for and their full gradients dropped. A bucket's
+// collective thus overlaps the backward up to the next bucket's first
+// gradient, and the full gradients of one bucket (and one in flight) exist
+// at a time, not the model's.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
@@ -59,6 +68,9 @@ struct BucketSettings {
   const char* strategy_name = "DDP";
   /// false: no size caps, a bucket per unit and group (ZeRO-3).
   bool size_capped = true;
+  /// ZeRO-2/3: a bucket's full-size gradients exist only from its first
+  /// gradient until its reduce-scatter has landed (NOTE [Gradient buckets]).
+  bool lazy_gradients = false;
 };
 
 namespace detail {
@@ -92,6 +104,8 @@ class GradientBuckets {
   std::vector<char> unused;
   bool unused_known = false;
   std::function<void(std::size_t)> launch;  // the strategy's collective for a ready bucket
+  std::size_t retired = 0;                   // lazy buckets: launched ones whose collective landed, freed
+  std::function<void()> before_allocating;   // lazy buckets: the engine retires the launched ones
 
   std::string where() const { return "accel " + std::string(settings.strategy_name) + ": rank " + std::to_string(comm->rank()); }
 
@@ -99,6 +113,7 @@ class GradientBuckets {
   // a fresh tensor stolen when .grad was undefined): put the values back into
   // the bucket and the view back on the parameter.
   void restore_grad_view(std::size_t i) {
+    if (!grad_views[i].defined()) attach_grad_views(bucket_of[i]);  // a lazy bucket's first gradient
     at::Tensor& grad = params[i].mutable_grad();
     if (grad.defined() && grad.is_same(grad_views[i])) return;
     if (grad.defined()) grad_views[i].copy_(grad);
@@ -141,19 +156,41 @@ class GradientBuckets {
     std::fill(ready.begin(), ready.end(), 0);
     for (auto& bucket : buckets) bucket.pending = bucket.params.size();
     next_to_launch = 0;
+    retired = 0;
   }
 
-  /// Points every parameter's .grad at its view of the bucket buffers.
+  /// Points every parameter's .grad at its view of the bucket buffers that exist.
   void attach_grad_views() {
-    for (auto& bucket : buckets)
-      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
-        const auto i = bucket.params[k];
-        auto& p = params[i];
-        grad_views[i] = bucket.grad.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
-        at::Tensor& grad = p.mutable_grad();
-        if (grad.defined() && !grad.is_same(grad_views[i])) grad_views[i].copy_(grad);
-        grad = grad_views[i];
-      }
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      if (buckets[b].grad.defined()) attach_grad_views(b);
+  }
+
+  /// Bucket b's buffer (zeros, allocated if it has none) and its parameters'
+  /// .grad as views of it, holding the values .grad had.
+  void attach_grad_views(std::size_t b) {
+    auto& bucket = buckets[b];
+    if (!bucket.grad.defined()) {
+      if (settings.lazy_gradients && before_allocating) before_allocating();
+      bucket.grad = at::zeros({bucket.padded}, params[bucket.params.front()].options().requires_grad(false));
+    }
+    for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+      const auto i = bucket.params[k];
+      auto& p = params[i];
+      grad_views[i] = bucket.grad.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
+      at::Tensor& grad = p.mutable_grad();
+      if (grad.defined() && !grad.is_same(grad_views[i])) grad_views[i].copy_(grad);
+      grad = grad_views[i];
+    }
+  }
+
+  /// Drops bucket b's buffer and its parameters' views of it.
+  void release_gradients(std::size_t b) {
+    auto& bucket = buckets[b];
+    bucket.grad = at::Tensor();
+    for (auto i : bucket.params) {
+      params[i].mutable_grad() = at::Tensor();
+      grad_views[i] = at::Tensor();
+    }
   }
 };
 
@@ -361,11 +398,19 @@ class BucketedEngineBase : public EngineDefaults {
   /// Drops the full-size gradient buffers (and the parameters' views of
   /// them): between steps a sharding strategy keeps only the shards.
   void release_full_gradients() {
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b) state_->release_gradients(b);
+  }
+
+  /// Lazy buckets (BucketSettings::lazy_gradients): waits for every bucket
+  /// launched and not yet retired, runs `after` on it and drops its full
+  /// gradients (NOTE [Gradient buckets]).
+  template <class AfterWait>
+  void retire_launched_buckets(std::vector<comm::Pending>& work, AfterWait&& after) {
     auto& s = *state_;
-    for (auto& bucket : s.buckets) bucket.grad = at::Tensor();
-    for (std::size_t i = 0; i < s.params.size(); ++i) {
-      s.params[i].mutable_grad() = at::Tensor();
-      s.grad_views[i] = at::Tensor();
+    for (; s.retired < s.next_to_launch; ++s.retired) {
+      work[s.retired].wait();
+      after(s.retired);
+      s.release_gradients(s.retired);
     }
   }
 
@@ -380,10 +425,7 @@ class BucketedEngineBase : public EngineDefaults {
   }
 
   void allocate_gradients() {
-    for (auto& bucket : state_->buckets)
-      if (!bucket.grad.defined())
-        bucket.grad = at::zeros({bucket.padded}, state_->params[bucket.params.front()].options().requires_grad(false));
-    state_->attach_grad_views();
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b) state_->attach_grad_views(b);
   }
 
   void register_hooks() {

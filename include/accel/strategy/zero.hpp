@@ -47,9 +47,12 @@ class ZeROEngine : public BucketedEngineBase {
   static constexpr bool shards_optimizer_state = true;
 
   ZeROEngine(const ZeRO<Stage>& settings, comm::Communicator& comm)
-      : BucketedEngineBase(BucketSettings{settings.bucket_cap_mb, settings.first_bucket_cap_mb,
-                                          settings.find_unused_parameters, false, comm.size(),
-                                          Stage == 1 ? "ZeRO<1>" : "ZeRO<2>"},
+      : BucketedEngineBase(BucketSettings{.bucket_cap_mb = settings.bucket_cap_mb,
+                                          .first_bucket_cap_mb = settings.first_bucket_cap_mb,
+                                          .find_unused_parameters = settings.find_unused_parameters,
+                                          .pad_to_multiple = comm.size(),
+                                          .strategy_name = Stage == 1 ? "ZeRO<1>" : "ZeRO<2>",
+                                          .lazy_gradients = Stage == 2},
                            comm),
         offload_(settings.cpu_offload),
         settings_(settings) {
@@ -61,6 +64,7 @@ class ZeROEngine : public BucketedEngineBase {
                                "shards; this stage keeps the whole model on every rank and saves it whole "
                                "(FULL_STATE_DICT)");
     state_->launch = [this](std::size_t b) { launch(b); };
+    if constexpr (Stage == 2) state_->before_allocating = [this] { retire_launched(); };
   }
 
   void prepare_model(torch::nn::Module& model) {
@@ -92,7 +96,7 @@ class ZeROEngine : public BucketedEngineBase {
     }
     if (offload_.enabled()) offload_.attach(shards_);
     point_optimizer_at(groups, optimizer_parameters());
-    allocate_gradients();
+    if constexpr (Stage == 1) allocate_gradients();  // stage 2's exist only within backward
     attach_shard_gradients();
     work_.resize(s.buckets.size());
     received_.resize(s.buckets.size());
@@ -101,7 +105,6 @@ class ZeROEngine : public BucketedEngineBase {
 
   void before_backward(const at::Tensor& loss) {
     require_optimizer_prepared();
-    allocate_gradients();  // stage 2 released them after the last step
     mark_unused_ready(loss);
   }
 
@@ -121,6 +124,10 @@ class ZeROEngine : public BucketedEngineBase {
     std::vector<comm::Pending> gathers;
     std::vector<at::Tensor> inputs;
     for (std::size_t b = 0; b < shards_.size(); ++b) {
+      if (b >= 2) {  // two buckets in flight: their buffers (and Gloo's) for two buckets, not the model
+        gathers[b - 2].wait();
+        inputs[b - 2] = at::Tensor();
+      }
       const std::int64_t shard = shards_[b].numel();
       std::vector<at::Tensor> chunks;
       for (int r = 0; r < s.comm->size(); ++r) chunks.push_back(param_flat_[b].narrow(0, r * shard, shard));
@@ -138,10 +145,9 @@ class ZeROEngine : public BucketedEngineBase {
       state_->attach_grad_views();
     } else {
       for (auto& g : grad_shards_) g.zero_();
-      if (state_->buckets.front().grad.defined()) {
-        for (auto& bucket : state_->buckets) bucket.grad.zero_();
-        state_->attach_grad_views();
-      }
+      for (auto& bucket : state_->buckets)  // those a no_sync micro-step left
+        if (bucket.grad.defined()) bucket.grad.zero_();
+      state_->attach_grad_views();
     }
   }
 
@@ -196,14 +202,24 @@ class ZeROEngine : public BucketedEngineBase {
     }
   }
 
+  // Lazy buckets: the launched ones' reduce-scatters landed, summed, their full gradients dropped.
+  void retire_launched() {
+    retire_launched_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(grad_shards_[b], received_[b]); });
+  }
+
   void launch(std::size_t b) {
     auto& s = *state_;
     auto& grad = s.buckets[b].grad;
     pre_divide(grad);
     const std::string what = std::string(Stage == 1 ? "all-reduce" : "reduce-scatter") + " of ZeRO gradient bucket " +
                              std::to_string(b) + " (" + std::to_string(grad.numel() * grad.element_size()) + " bytes)";
-    if constexpr (Stage == 1) work_[b] = s.comm->all_reduce_async(grad, what);
-    else work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b], what);
+    if constexpr (Stage == 1) {
+      work_[b] = s.comm->all_reduce_async(grad, what);
+    } else {
+      // Before this bucket's collective allocates its buffers (NOTE [Gradient buckets]).
+      retire_launched();
+      work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b], what);
+    }
   }
 
   std::vector<at::Tensor> param_flat_;   // per bucket: (padded,) full parameters

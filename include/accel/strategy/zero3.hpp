@@ -248,7 +248,8 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
       : BucketedEngineBase(BucketSettings{.find_unused_parameters = settings.find_unused_parameters,
                                           .pad_to_multiple = comm.size(),
                                           .strategy_name = "ZeRO<3>",
-                                          .size_capped = false},
+                                          .size_capped = false,
+                                          .lazy_gradients = true},
                            comm),
         settings_(settings),
         z3_(std::make_shared<detail::ZeRO3State>()),
@@ -263,6 +264,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     check_unit_checkpointing(settings, "ZeRO<3>");
     z3_->comm = &comm;
     state_->launch = [this](std::size_t b) { launch(b); };
+    state_->before_allocating = [this] { retire_launched(); };
   }
   // The model outlives the trainer: give it back whole (a collective, as
   // every rank destroys its trainer at the same point of the program). Not
@@ -363,7 +365,6 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     if (z3_->last_forward_order.empty()) z3_->last_forward_order = z3_->forward_order;
     z3_->backward = true;
     for (auto& unit : z3_->units) unit.launched = 0;
-    allocate_gradients();
     mark_unused_ready(loss);
   }
 
@@ -479,18 +480,25 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     std::erase(registry.states, z3_.get());
   }
 
+  // Lazy buckets: the launched ones' reduce-scatters landed, summed, their full gradients dropped.
+  void retire_launched() {
+    retire_launched_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(grad_shards_[b], received_[b]); });
+  }
+
   void launch(std::size_t b) {
     auto& s = *state_;
-    auto& grad = s.buckets[b].grad;
-    pre_divide(grad);
-    work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b],
-                                     "reduce-scatter of ZeRO-3 gradient bucket " + std::to_string(b));
-    // The unit's gradients are complete: its backward is over, free its parameters.
+    // Before this bucket's collective allocates its buffers (NOTE [Gradient buckets]).
+    retire_launched();
+    // The unit's gradients are complete: its backward is over, free its parameters (first, for the same reason).
     auto& unit = z3_->units[z3_->unit_of_bucket[b]];
     if (++unit.launched == unit.buckets.size()) {
       detail::BusyScope busy;
       z3_->reshard(z3_->unit_of_bucket[b]);
     }
+    auto& grad = s.buckets[b].grad;
+    pre_divide(grad);
+    work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b],
+                                     "reduce-scatter of ZeRO-3 gradient bucket " + std::to_string(b));
   }
 
   ZeRO<3> settings_;

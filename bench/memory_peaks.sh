@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Peak memory per rank over a whole run (prepare included), DDP and ZeRO-1/2/3
+# on 2 and 3 ranks, beside what each should hold: its model state (the
+# Trainer's own count, which the estimate suite checks against the formulas
+# to the byte; ZeRO-3's plus one unit's parameters and gradients, gathered
+# within a step) + the activations (estimate) + the process baseline (the
+# same program on the same launcher with an 8x8 model). Adam, batch 64 per rank.
+#
+#   bench/memory_peaks.sh [BUILD_DIR]          # default: build
+#
+# Three peaks per run, the worst rank's: "allocated", the most LibTorch had
+# allocated at once (counted at its allocator); "resident", the resident set
+# (VmHWM) with glibc's malloc as it comes; "returned", the resident set with
+# freed blocks over 1 MiB given back to the system (NOTE [Returning host
+# memory], TrainerOptions::return_host_memory), compared with the expectation.
+# Environment: WIDTHS (default 512,2048 x10,10: 38.8 M parameters, 148 MiB;
+# each layer 16 MiB, one ZeRO-3 unit), RANKS ("2 3").
+# Takes about 3 minutes on the 2-core development VM.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(dirname "$here")"
+build="${1:-$root/build}"
+widths="${WIDTHS:-512,2048,2048,2048,2048,2048,2048,2048,2048,2048,2048,10}"
+ranks_list="${RANKS:-2 3}"
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+prog="$build/bench/ddp_throughput"
+launcher="$build/tools/accel"
+[[ -x "$prog" && -x "$launcher" ]] || ninja -C "$build" bench/ddp_throughput tools/accel >&2
+log="$(mktemp -d)"
+trap 'rm -rf "$log"' EXIT
+
+# run OUT RANKS STRATEGY WIDTHS [RETURN]: one run's output in OUT
+run() {
+  "$launcher" launch -q --num_processes "$2" "$prog" --strategy "$3" --optimizer adam --widths "$4" --steps 3 \
+    --warmup 1 --phases 0 --memory 1 --return_host_memory "${5:-0}" >"$1" 2>&1 || { cat "$1" >&2; exit 1; }
+}
+# the largest value of FIELD over the MEMORY lines of OUT
+worst() { grep -o "MEMORY .*" "$1" | grep -o "\b$2=[0-9]*" | cut -d= -f2 | sort -n | tail -1; }
+result() { grep -o "RESULT .*" "$1" | grep -o "\b$2=[0-9]*" | head -1 | cut -d= -f2; }
+mib() { awk -v b="$1" 'BEGIN { printf "%.0f", b / 1048576 }'; }
+
+echo "widths $widths, Adam, batch 64 per rank; MiB per rank (worst rank)"
+fmt='%-6s %-9s %12s %12s %9s %9s %10s %10s %10s %12s\n'
+printf "$fmt" ranks strategy model_state activations baseline expected allocated resident returned vs_expected
+for n in $ranks_list; do
+  run "$log/base" "$n" ddp 8,8 1
+  baseline="$(worst "$log/base" resident_peak_bytes)"
+  for s in ddp zero1 zero2 zero3; do
+    run "$log/$s" "$n" "$s" "$widths"
+    run "$log/$s.returned" "$n" "$s" "$widths" 1
+    state=$(($(result "$log/$s" param_bytes) + $(result "$log/$s" grad_bytes) + $(result "$log/$s" optim_bytes)))
+    # ZeRO-3: the largest layer's parameters and gradients, whole, while it computes
+    [[ "$s" == zero3 ]] && state=$((state + 2 * 4 * $(echo "$widths" | tr ',' '\n' |
+      awk 'NR > 1 { n = prev * $1 + $1; if (n > m) m = n } { prev = $1 } END { print m }')))
+    activations="$(worst "$log/$s" activation_bytes)"
+    expected=$((state + activations + baseline))
+    returned="$(worst "$log/$s.returned" resident_peak_bytes)"
+    printf "$fmt" "$n" "$s" "$(mib "$state")" "$(mib "$activations")" "$(mib "$baseline")" "$(mib "$expected")" \
+      "$(mib "$(worst "$log/$s" allocated_peak_bytes)")" "$(mib "$(worst "$log/$s" resident_peak_bytes)")" \
+      "$(mib "$returned")" "$(awk -v r="$returned" -v e="$expected" 'BEGIN { printf "%+.0f%%", 100 * (r - e) / e }')"
+  done
+done
