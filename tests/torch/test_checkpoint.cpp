@@ -856,6 +856,10 @@ TEST_SUITE("checkpoint") {
     torch::load(held, expected.string());
     CHECK(max_param_diff(*merged, *held) == 0.0);
     CHECK(max_param_diff(*merged, *untrained) > 1e-3);  // trained: a merge of stale shards would fail
+    // The library's export copies a whole model's file; a sharded one is pointed to the merge.
+    CHECK_THROWS_WITH(accel::checkpoint::export_model(dir, out.string() + ".copied"),
+                      doctest::Contains("holds its model as shards (SHARDED_STATE_DICT): join them with "
+                                        "accel::checkpoint::consolidate_model"));
     if (const char* cli = std::getenv("ACCEL_CLI")) {  // the command line, as a user runs it
       for (const std::string command : {"merge-weights", "export"}) {
         const std::string file = out.string() + "." + command;

@@ -127,8 +127,13 @@ inline void copy_model_file(const fs::path& dir, const fs::path& out, int model_
 /// this checks the manifest and the file, then copies it atomically; the
 /// optimizer state stays sharded in the checkpoint.
 ///   accel export checkpoints/checkpoint_7 model.pt
+/// A sharded checkpoint has no model file to copy: consolidate_model
+/// (<accel/checkpoint/sharded.hpp>) joins its shards.
 inline void export_model(const fs::path& dir, const fs::path& out, int model_index = 0) {
-  (void)manifest_of_whole_model(dir, model_index);
+  if (holds_sharded_model(manifest_of_whole_model(dir, model_index)))
+    throw CheckpointError("accel: checkpoint " + dir.string() +
+                          " holds its model as shards (SHARDED_STATE_DICT): join them with "
+                          "accel::checkpoint::consolidate_model (<accel/checkpoint/sharded.hpp>) or `accel merge-weights`");
   copy_model_file(dir, out, model_index);
 }
 

@@ -263,6 +263,15 @@ inline void check_shape(const ShardedModelReader& reader, const std::string& nam
                           " in the checkpoint but " + nlohmann::json(shape).dump() + " in the prepared model");
 }
 
+/// `saved` copied into `into` in place (the tensor keeps its identity:
+/// hooks and the optimizer refer to it), once its shape is checked.
+inline void copy_saved_tensor(at::Tensor& into, const at::Tensor& saved, const std::string& name) {
+  if (into.sizes() != saved.sizes())
+    throw CheckpointError("tensor '" + name + "' has shape " + c10::str(saved.sizes()) + " in the checkpoint but " +
+                          c10::str(into.sizes()) + " in the prepared model");
+  into.copy_(saved);
+}
+
 }  // namespace detail
 
 /// The buffers and frozen parameters of a sharded model, into `module`.
@@ -274,10 +283,7 @@ inline void load_whole_tensors(const ShardedModelReader& reader, torch::nn::Modu
   for (const auto& [name, saved] : reader.whole()) {
     auto it = mine.find(name);
     if (it == mine.end()) throw CheckpointError("the prepared model has no tensor '" + name + "'");
-    if (it->second.sizes() != saved.first.sizes())
-      throw CheckpointError("tensor '" + name + "' has shape " + c10::str(saved.first.sizes()) +
-                            " in the checkpoint but " + c10::str(it->second.sizes()) + " in the prepared model");
-    it->second.copy_(saved.first);
+    detail::copy_saved_tensor(it->second, saved.first, name);
   }
 }
 

@@ -140,10 +140,7 @@ inline std::vector<std::vector<std::int64_t>> bucket_numels_by_part(comm::Commun
 // and the optimizer's state refer to them).
 inline void load_in_place(torch::nn::Module& module, torch::serialize::InputArchive& archive, const std::string& prefix) {
   auto copy = [&](at::Tensor& into, const at::Tensor& saved, const std::string& name) {
-    if (saved.sizes() != into.sizes())
-      throw CheckpointError("parameter '" + prefix + name + "' has shape " + c10::str(saved.sizes()) +
-                            " in the checkpoint but " + c10::str(into.sizes()) + " in the prepared model");
-    into.copy_(saved);
+    copy_saved_tensor(into, saved, prefix + name);
   };
   for (auto& item : module.named_parameters(/*recurse=*/false)) {
     at::Tensor saved;
