@@ -163,6 +163,7 @@ RealMemory real_memory(const Strategy& strategy) {
 template <class Strategy>
 bool& strategy_checkpointing(Strategy& strategy) {
   if constexpr (requires { strategy.data.activation_checkpointing; }) return strategy.data.activation_checkpointing;
+  else if constexpr (requires { strategy.zero.activation_checkpointing; }) return strategy.zero.activation_checkpointing;
   else return strategy.activation_checkpointing;
 }
 
@@ -381,8 +382,8 @@ TEST_SUITE("estimate") {
   }
 
   TEST_CASE("activation_checkpointing, the strategy setting: every GPT block checkpointed through its Sequential "
-            "entry under ZeRO-3, ZeRO-2 and Parallel<ZeRO<3>> with a pipeline; parameters bitwise those of the run "
-            "without; the activations a forward keeps fall with the layers") {
+            "entry under ZeRO-3, ZeRO-2, HybridShard and Parallel<ZeRO<3>> with a pipeline and with tensor 2; "
+            "parameters bitwise those of the run without; the activations a forward keeps fall with the layers") {
     const gpt::Config c{.vocab = 64, .context = 32, .width = 64, .heads = 4, .layers = 8};
     const auto blocks = accel::AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
     auto checkpointed_entries = [](torch::nn::Sequential& net) {
@@ -434,8 +435,8 @@ TEST_SUITE("estimate") {
       for (const auto& p : net->parameters()) run.parameters.push_back(p.detach().clone());
       return run;
     };
-    auto check = [&](auto strategy, const std::string& name, std::vector<std::string> expected) {
-      accel::spawn(2, [&](int rank) {
+    auto check = [&](auto strategy, const std::string& name, std::vector<std::string> expected, int world = 2) {
+      accel::spawn(world, [&](int rank) {
         auto plain = train(strategy, rank);
         strategy_checkpointing(strategy) = true;
         auto checkpointed = train(strategy, rank);
@@ -466,6 +467,13 @@ TEST_SUITE("estimate") {
     check(accel::Parallel<accel::ZeRO<3>>{.data = {.auto_wrap_policy = blocks, .transformer_layer_cls_to_wrap = {"BlockImpl"}},
                                           .pipeline = 2, .micro_batches = 2},
           "Parallel<ZeRO<3>> pipeline 2", every_block);
+    // The recomputation repeats the tensor-parallel forward's all-reduces, in the same order on both ranks.
+    check(accel::Parallel<accel::ZeRO<3>>{.data = {.auto_wrap_policy = blocks, .transformer_layer_cls_to_wrap = {"BlockImpl"}},
+                                          .tensor = 2},
+          "Parallel<ZeRO<3>> tensor 2", every_block);
+    check(accel::HybridShard{.zero = {.auto_wrap_policy = blocks, .transformer_layer_cls_to_wrap = {"BlockImpl"}},
+                             .shard_group_size = 2},
+          "HybridShard 2x2", every_block, 4);
   }
 
   TEST_CASE("activation_checkpointing refused with a sentence: no units (NO_WRAP), a unit in no Sequential, the "
