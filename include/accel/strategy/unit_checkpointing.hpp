@@ -78,12 +78,10 @@ void check_unit_checkpointing(const ZeRO<Stage>& settings, const std::string& st
 
 /// Checkpoints every unit that `settings`' auto-wrap policy picks in `model`
 /// through the Sequential entry holding it (NOTE [Checkpointing wrapped
-/// units]); returns those entries' paths. Entries already checkpointed stay
-/// as they are.
+/// units]). Entries already checkpointed stay as they are.
 template <int Stage>
-std::vector<std::string> checkpoint_wrapped_units(torch::nn::Module& model, const ZeRO<Stage>& settings,
-                                                  const std::string& strategy_name) {
-  if (!settings.activation_checkpointing) return {};
+void checkpoint_wrapped_units(torch::nn::Module& model, const ZeRO<Stage>& settings, const std::string& strategy_name) {
+  if (!settings.activation_checkpointing) return;
   check_unit_checkpointing(settings, strategy_name);
   std::vector<at::Tensor> params;
   std::vector<std::int64_t> numels;
@@ -96,7 +94,6 @@ std::vector<std::string> checkpoint_wrapped_units(torch::nn::Module& model, cons
   assign_units(module_tree(model, params), numels, settings.auto_wrap_policy, settings.min_num_params,
                settings.transformer_layer_cls_to_wrap, units);
   units.pop_back();  // the root's unit: the whole model is not one entry
-  std::vector<std::string> checkpointed;
   for (const auto& unit : units) {
     const auto entry = detail::entry_of_unit(model, unit);
     if (entry.sequential == nullptr)
@@ -105,13 +102,10 @@ std::vector<std::string> checkpoint_wrapped_units(torch::nn::Module& model, cons
                                "(its parent calls it from its own forward); put the units in a Sequential, or call "
                                "accel::nn::checkpoint around them in the parent's forward and leave "
                                "activation_checkpointing off");
-    if (std::find(checkpointed.begin(), checkpointed.end(), entry.path) != checkpointed.end()) continue;
-    for (auto& held : *entry.sequential) {
+    // An entry holding several units, or already checkpointed, runs the wrapper: left as it is.
+    for (auto& held : *entry.sequential)
       if (held.ptr() == entry.module) held = torch::nn::AnyModule(std::make_shared<nn::CheckpointedEntryImpl>(held, entry.path));
-      if (nn::entry_module(held) == entry.module) checkpointed.push_back(entry.path);
-    }
   }
-  return checkpointed;
 }
 
 }  // namespace accel::strategy

@@ -57,10 +57,10 @@ class ZeROEngine : public BucketedEngineBase {
         offload_(settings.cpu_offload),
         settings_(settings) {
     static_assert(complete_engine<ZeROEngine>);
-    check_unit_checkpointing(settings, name());
+    check_unit_checkpointing(settings, state_->settings.strategy_name);
     if (settings.state_dict_type == StateDictType::SHARDED_STATE_DICT)
-      throw ConfigurationError(std::string("accel ZeRO<") + std::to_string(Stage) +
-                               ">: state_dict_type SHARDED_STATE_DICT is for ZeRO<3> and HybridShard, which hold only "
+      throw ConfigurationError(std::string("accel ") + state_->settings.strategy_name +
+                               ": state_dict_type SHARDED_STATE_DICT is for ZeRO<3> and HybridShard, which hold only "
                                "shards; this stage keeps the whole model on every rank and saves it whole "
                                "(FULL_STATE_DICT)");
     state_->launch = [this](std::size_t b) { launch(b); };
@@ -69,7 +69,7 @@ class ZeROEngine : public BucketedEngineBase {
 
   void prepare_model(torch::nn::Module& model) {
     collect(model);
-    checkpoint_wrapped_units(model, settings_, name());
+    checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
   }
 
   /// Plans the buckets by the optimizer's parameter groups, moves the
@@ -226,8 +226,6 @@ class ZeROEngine : public BucketedEngineBase {
   std::vector<at::Tensor> shards_;       // per bucket: (shard,) this rank's parameters, stepped by the optimizer
   std::vector<at::Tensor> grad_shards_;  // stage 2, per bucket: (shard,) the reduced gradient shard
   std::vector<at::Tensor> received_;     // stage 2 on Gloo: (padded,) chunks from every rank, until summed
-  static std::string name() { return "ZeRO<" + std::to_string(Stage) + ">"; }
-
   std::vector<comm::Pending> work_;
   HostOffload offload_;
   ZeRO<Stage> settings_;

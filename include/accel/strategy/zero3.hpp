@@ -261,7 +261,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
                            "as LibTorch itself is built");
 #endif
     static_assert(complete_engine<ZeROEngine>);
-    check_unit_checkpointing(settings, "ZeRO<3>");
+    check_unit_checkpointing(settings, state_->settings.strategy_name);
     z3_->comm = &comm;
     state_->launch = [this](std::size_t b) { launch(b); };
     state_->before_allocating = [this] { retire_launched(); };
@@ -293,7 +293,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   void prepare_model(torch::nn::Module& model) {
     if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
     collect(model);
-    checkpoint_wrapped_units(model, settings_, "ZeRO<3>");
+    checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
     model_ = &model;
   }
 
