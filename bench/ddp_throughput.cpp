@@ -27,6 +27,8 @@
 //                            library kept) and the activations' estimate (bench/memory_peaks.sh: the table)
 //   --return_host_memory 1   freed host blocks over 1 MiB go back to the system (NOTE [Returning host
 //                            memory], TrainerOptions::return_host_memory)
+//   --build_on_meta 1        zero3: the model built on the meta device, each rank computing only its
+//                            shards at prepare (NOTE [Models built on meta])
 //
 // The timed steps are measured by accel::bench::compare (<accel/bench.hpp>,
 // NOTE [Strategy comparison]), the library's own facility, with one
@@ -56,6 +58,7 @@
 #include <accel/accel.hpp>
 #include <accel/device/allocation_counter.hpp>
 #include <accel/device/host_memory.hpp>
+#include <accel/device/meta.hpp>
 #include <accel/device/peak_memory.hpp>
 #include <accel/estimate/shapes.hpp>
 #include <accel/bench.hpp>
@@ -147,6 +150,7 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   const int comm_probe = std::stoi(flag(argc, argv, "comm_probe", "0"));
   const std::string tag = flag(argc, argv, "tag", "accel_" + strategy_name);
   const std::string optimizer_name = flag(argc, argv, "optimizer", "sgd");
+  const bool on_meta = flag(argc, argv, "build_on_meta", "0") == "1";
   if (optimizer_name != "sgd" && optimizer_name != "adam") {
     std::fprintf(stderr, "ddp_throughput: --optimizer must be sgd or adam, got '%s'\n", optimizer_name.c_str());
     return EXIT_FAILURE;
@@ -181,7 +185,9 @@ int run(int argc, char** argv, const std::string& strategy_name) {
 
   // The timed steps, measured by the library's facility.
   accel::bench::Workload workload{
-      .model = [&](accel::comm::Communicator&) { return bench::MLP(widths); },
+      .model = [&](accel::comm::Communicator&) {
+        return on_meta ? accel::device::build_on_meta([&] { return bench::MLP(widths); }) : bench::MLP(widths);
+      },
       .optimizer = make_optimizer,
       .batch = [&](std::int64_t i, int rank) {
         const auto& b = batch_of(i, rank);

@@ -5,6 +5,8 @@
 # to the byte; ZeRO-3's plus one unit's parameters and gradients, gathered
 # within a step) + the activations (estimate) + the process baseline (the
 # same program on the same launcher with an 8x8 model). Adam, batch 64 per rank.
+# zero3-meta: ZeRO-3 with the model built on the meta device (each rank computes
+# only its shards at prepare, NOTE [Models built on meta]).
 #
 #   bench/memory_peaks.sh [BUILD_DIR]          # default: build
 #
@@ -29,10 +31,14 @@ launcher="$build/tools/accel"
 log="$(mktemp -d)"
 trap 'rm -rf "$log"' EXIT
 
-# run OUT RANKS STRATEGY WIDTHS [RETURN]: one run's output in OUT
+# run OUT RANKS STRATEGY WIDTHS [RETURN]: one run's output in OUT (STRATEGY zero3-meta: ZeRO-3 with the
+# model built on the meta device)
 run() {
-  "$launcher" launch -q --num_processes "$2" "$prog" --strategy "$3" --optimizer adam --widths "$4" --steps 3 \
-    --warmup 1 --phases 0 --memory 1 --return_host_memory "${5:-0}" >"$1" 2>&1 || { cat "$1" >&2; exit 1; }
+  local strategy="${3%-meta}" meta=0
+  [[ "$3" == *-meta ]] && meta=1
+  "$launcher" launch -q --num_processes "$2" "$prog" --strategy "$strategy" --optimizer adam --widths "$4" --steps 3 \
+    --warmup 1 --phases 0 --memory 1 --return_host_memory "${5:-0}" --build_on_meta "$meta" >"$1" 2>&1 ||
+    { cat "$1" >&2; exit 1; }
 }
 # the largest value of FIELD over the MEMORY lines of OUT
 worst() { grep -o "MEMORY .*" "$1" | grep -o "\b$2=[0-9]*" | cut -d= -f2 | sort -n | tail -1; }
@@ -45,12 +51,12 @@ printf "$fmt" ranks strategy model_state activations baseline expected allocated
 for n in $ranks_list; do
   run "$log/base" "$n" ddp 8,8 1
   baseline="$(worst "$log/base" resident_peak_bytes)"
-  for s in ddp zero1 zero2 zero3; do
+  for s in ddp zero1 zero2 zero3 zero3-meta; do
     run "$log/$s" "$n" "$s" "$widths"
     run "$log/$s.returned" "$n" "$s" "$widths" 1
     state=$(($(result "$log/$s" param_bytes) + $(result "$log/$s" grad_bytes) + $(result "$log/$s" optim_bytes)))
     # ZeRO-3: the largest layer's parameters and gradients, whole, while it computes
-    [[ "$s" == zero3 ]] && state=$((state + 2 * 4 * $(echo "$widths" | tr ',' '\n' |
+    [[ "$s" == zero3* ]] && state=$((state + 2 * 4 * $(echo "$widths" | tr ',' '\n' |
       awk 'NR > 1 { n = prev * $1 + $1; if (n > m) m = n } { prev = $1 } END { print m }')))
     activations="$(worst "$log/$s" activation_bytes)"
     expected=$((state + activations + baseline))

@@ -8,6 +8,7 @@
 //   ./build/tools/accel launch --num_processes 2 ./build/examples/gpt --strategy zero3
 //   ./build/tools/accel launch --num_processes 2 ./build/examples/gpt --strategy tensor2
 //   ./build/tools/accel launch --num_processes 2 ./build/examples/gpt --strategy pipeline2
+//   ./build/tools/accel launch --num_processes 2 ./build/examples/gpt --strategy zero3 --build_on_meta true
 //
 // `--strategy` only picks the Trainer's type; the training loop (train<T>)
 // is the same code for all five.
@@ -16,6 +17,7 @@
 #include <torch/optim/adam.h>
 
 #include <accel/accel.hpp>
+#include <accel/device/meta.hpp>
 
 #include "flags.hpp"
 #include "gpt_model.hpp"
@@ -23,6 +25,7 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
 namespace {
 
@@ -44,12 +47,18 @@ accel::data::TensorDataset make_tokens(const Config& c, std::int64_t sequences) 
 
 // 3. The training loop: the same for every strategy.
 template <class Strategy>
-int train(Strategy strategy, int epochs) {
+int train(Strategy strategy, int epochs, bool on_meta) {
   accel::Trainer<Strategy> trainer(strategy);
   trainer.set_seed(0);  // the same full initialisation on every rank (tensor-parallel slices are cut from it)
   Config config;
   auto& tp = trainer.tensor_group();
-  auto gpt = make_gpt(config, tp);
+  // --build_on_meta: no weight is allocated while the model is built. ZeRO-3
+  // then computes only this rank's shards of it, a unit at a time; the other
+  // strategies keep the whole model on every rank, so it is given its values
+  // whole here. Either way they are those of the line below it.
+  auto gpt = on_meta ? accel::device::build_on_meta([&] { return make_gpt(config, tp); }) : make_gpt(config, tp);
+  if constexpr (!std::is_same_v<Strategy, accel::ZeRO<3>>)
+    if (on_meta) accel::device::materialize(*gpt);
   torch::optim::Adam optimizer(gpt->parameters(), torch::optim::AdamOptions(3e-3));
   trainer.prepare(gpt, optimizer);
   auto loader = trainer.prepare(make_tokens(config, 512), {.batch_size = 16, .shuffle = true});
@@ -76,14 +85,15 @@ int main(int argc, char** argv) {
   using example::flag;
   const std::string strategy = flag(argc, argv, "strategy", "single");
   const int epochs = std::stoi(flag(argc, argv, "epochs", "3"));
-  if (strategy == "single") return train(accel::SingleProcess{}, epochs);
-  if (strategy == "ddp") return train(accel::DDP{}, epochs);
+  const bool on_meta = flag(argc, argv, "build_on_meta", "false") == "true";
+  if (strategy == "single") return train(accel::SingleProcess{}, epochs, on_meta);
+  if (strategy == "ddp") return train(accel::DDP{}, epochs, on_meta);
   if (strategy == "zero3")
     return train(accel::ZeRO<3>{.auto_wrap_policy = accel::AutoWrapPolicy::TRANSFORMER_BASED_WRAP,
                                 .transformer_layer_cls_to_wrap = {"BlockImpl"}},
-                 epochs);
-  if (strategy == "tensor2") return train(accel::Parallel<>{.tensor = 2}, epochs);
-  if (strategy == "pipeline2") return train(accel::Parallel<>{.pipeline = 2, .micro_batches = 4}, epochs);
+                 epochs, on_meta);
+  if (strategy == "tensor2") return train(accel::Parallel<>{.tensor = 2}, epochs, on_meta);
+  if (strategy == "pipeline2") return train(accel::Parallel<>{.pipeline = 2, .micro_batches = 4}, epochs, on_meta);
   std::fprintf(stderr, "gpt: --strategy is single, ddp, zero3, tensor2 or pipeline2\n");
   return 2;
 }

@@ -120,6 +120,13 @@ concept optimizer = std::derived_from<T, torch::optim::Optimizer>;
 template <class T>
 concept lr_scheduler = std::derived_from<T, torch::optim::LRScheduler>;
 
+// A model built by device::build_on_meta: its parameters are meta tensors.
+inline bool built_on_meta(const torch::nn::Module& model) {
+  for (const auto& p : model.parameters())
+    if (p.is_meta()) return true;
+  return false;
+}
+
 }  // namespace detail
 
 template <class Strategy = SingleProcess, class Precision = FP32, class Device = CPU>
@@ -598,8 +605,12 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   template <class T>
   void prepare_model_if(T& object) {
     if constexpr (detail::module_holder<T>) {
-      object->to(device_);
-      engine_.prepare_model(*object.ptr());
+      if (detail::built_on_meta(*object.ptr())) {
+        engine_.prepare_meta_model(*object.ptr(), device_);  // its values computed where they are kept
+      } else {
+        object->to(device_);
+        engine_.prepare_model(*object.ptr());
+      }
       models_.push_back(object.ptr());
       if constexpr (std::is_same_v<T, torch::nn::Sequential>) sequential_ = object;
     }

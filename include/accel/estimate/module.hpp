@@ -1,11 +1,11 @@
 #pragma once
 // The estimate of NOTE [Memory estimate] for a user's own LibTorch model:
 // its shape read from the module (which may have been built on the meta
-// device, device/meta.hpp, so that no weight was ever allocated), the
+// device by build_shapes_on_meta, device/meta.hpp, so that no weight was ever allocated), the
 // optimizer's state count read from its type and options, and activations
 // measured by running the user's own step once under a counting allocator.
 //
-//   auto model = accel::device::build_on_meta([] { return MyModel(cfg); });
+//   auto model = accel::device::build_shapes_on_meta([] { return MyModel(cfg); });
 //   torch::optim::Adam adam(model->parameters());
 //   auto shape = accel::estimate::shape_of(*model, &adam);
 //   auto zero3 = accel::estimate::model_state(shape, accel::ZeRO<3>{}, 8, accel::estimate::optimizer_shape(adam));

@@ -342,7 +342,9 @@ class BucketedEngineBase : public EngineDefaults {
     plan_buckets(group_of);
   }
 
-  void collect(torch::nn::Module& model) {
+  /// `broadcast`: rank 0's weights to every rank (not for a model built on
+  /// meta, whose values do not exist yet: strategy/deferred_init.hpp).
+  void collect(torch::nn::Module& model, bool broadcast = true) {
     auto& s = *state_;
     if (!s.params.empty())
       throw std::logic_error(std::string("accel ") + s.settings.strategy_name + ": prepare() takes one model per Trainer");
@@ -352,7 +354,7 @@ class BucketedEngineBase : public EngineDefaults {
       s.params.push_back(item.value());
     }
     check_same_model_everywhere(model);
-    detail::broadcast_module_state(model, *s.comm, "broadcast of rank 0's parameters at prepare");
+    if (broadcast) detail::broadcast_module_state(model, *s.comm, "broadcast of rank 0's parameters at prepare");
   }
 
   /// Moves bucket `b`'s parameters into one flat (padded,) buffer, each

@@ -20,8 +20,9 @@
 //     the pipelined step, cpu_offload's host tensors.
 // An engine that wraps another (HybridShard around ZeRO-3, Parallel around
 // its data engine) derives from ForwardingEngine, which forwards the inner
-// engine's customisation points (all but the mesh groups and the pipelined
-// step, which only the outermost engine has): a point added here is added
+// engine's customisation points (all but the mesh groups, the pipelined
+// step and preparing a model built on meta, which only the outermost engine
+// can do): a point added here is added
 // there too, and wrappers forward it without anyone remembering to.
 
 #include <ATen/core/Tensor.h>
@@ -110,6 +111,15 @@ class EngineDefaults {
   /// Checked before any rank connects, so every rank fails alike and at once.
   template <class Settings>
   static void check_world(const Settings&, int /*world_size*/) {}
+  /// A model built by device::build_on_meta (NOTE [Models built on meta]),
+  /// its values still to come, prepared to train on `device`. Default:
+  /// refused, as this engine keeps the whole model on every rank.
+  void prepare_meta_model(torch::nn::Module&, at::Device) {
+    throw std::logic_error(
+        "accel: the model was built on the meta device (accel::device::build_on_meta); only ZeRO<3> and HybridShard "
+        "compute its parameters shard by shard. This strategy keeps the whole model on every rank: call "
+        "accel::device::materialize(model) before prepare, or build the model normally");
+  }
   /// Around the user's forward pass (ZeRO-3 gathers and frees parameters there).
   void before_forward() {}
   void after_forward() {}

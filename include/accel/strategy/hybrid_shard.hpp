@@ -74,6 +74,12 @@ class HybridShardEngine : private HybridGroups, public ForwardingEngine<ZeROEngi
     detail::broadcast_module_state(model, replicate_group(), "broadcast of the first replica's parameters at prepare");
   }
 
+  /// Built on meta: every rank replays the first rank's initialisers.
+  void prepare_meta_model(torch::nn::Module& model, at::Device device) {
+    inner().prepare_meta_model(model, device);  // the shard group's first rank's generator states
+    agree_on_initialisers(model, replicate_group(), "HybridShard");  // ... and the first group's
+  }
+
   /// The shard group's reduce-scatter, then the average over the replicas.
   void synchronize_gradients() {
     inner().reduce_gradients();

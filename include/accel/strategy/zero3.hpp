@@ -55,6 +55,7 @@
 #include "accel/comm/communicator.hpp"
 #include "accel/core/policies.hpp"
 #include "accel/strategy/buckets.hpp"
+#include "accel/strategy/deferred_init.hpp"
 #include "accel/strategy/offload.hpp"
 #include "accel/strategy/module_tree.hpp"
 #include "accel/strategy/zero.hpp"
@@ -296,6 +297,17 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
     model_ = &model;
   }
+  /// A model built by device::build_on_meta (NOTE [Models built on meta]):
+  /// no rank ever holds it whole. prepare_optimizer computes one unit's
+  /// parameters at a time, keeps this rank's shard of them and frees the unit.
+  void prepare_meta_model(torch::nn::Module& model, at::Device device) {
+    if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
+    collect(model, /*broadcast=*/false);
+    agree_on_initialisers(model, *state_->comm, state_->settings.strategy_name);
+    checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
+    model_ = &model;
+    materialize_on_ = device;
+  }
 
   void prepare_optimizer(torch::optim::Optimizer& optimizer) {
     auto& s = *state_;
@@ -320,15 +332,20 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
       auto& bucket = s.buckets[b];
       const std::size_t u = static_cast<std::size_t>(bucket.unit);
+      if (materialize_on_) materialize_each(named_parameters_of(b), *materialize_on_);  // this bucket's only
       at::Tensor flat = flatten_parameters(b);  // (padded,)
       const std::int64_t shard = bucket.padded / world;
       z.flat.push_back(flat);
       z.shards.push_back(flat.narrow(0, rank * shard, shard).clone().requires_grad_(true));
+      // Built on meta: the unit's full parameters go before the next is computed.
+      if (materialize_on_) detail::set_storage_bytes(flat.storage().unsafeGetStorageImpl(), 0);
       grad_shards_.push_back(at::zeros({shard}, flat.options()));
       z.unit_of_bucket.push_back(u);
       z.units[u].buckets.push_back(b);
       z.unit_of_storage[flat.storage().unsafeGetStorageImpl()] = u;
     }
+    // Built on meta: buffers and frozen parameters, which are not sharded, whole.
+    if (materialize_on_) materialize_each(detail::meta_tensors_of(*model_), *materialize_on_);
     for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
     if (offload_.enabled()) offload_.attach(z.shards);
     point_optimizer_at(groups, optimizer_parameters());
@@ -468,6 +485,12 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   }
 
  private:
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters_of(std::size_t b) const {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (auto i : state_->buckets[b].params) out.emplace_back(state_->names[i], state_->params[i]);
+    return out;
+  }
+
   void require_attached() const {
     if (detached_) throw std::logic_error("accel ZeRO<3>: the model was unwrapped (unwrap_model): training with this trainer is over");
   }
@@ -510,6 +533,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   std::vector<at::Tensor> received_;
   std::vector<comm::Pending> work_;
   HostOffload offload_;
+  std::optional<at::Device> materialize_on_;  // set for a model built on meta
 };
 
 }  // namespace accel::strategy

@@ -1,0 +1,102 @@
+#pragma once
+// A model built by device::build_on_meta, given its values by a sharding
+// engine a unit at a time (NOTE [Models built on meta], device/meta.hpp):
+// ZeRO-3 and HybridShard materialise each unit's parameters, cut this rank's
+// shard and free the unit before the next, so no rank ever holds the whole
+// model. For a model built whole, prepare broadcasts rank 0's weights; for
+// one built on meta, every rank replays the initialisers from rank 0's
+// generator states (agree_on_initialisers), which gives the same values.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <torch/nn/module.h>
+
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "accel/comm/communicator.hpp"
+#include "accel/device/meta.hpp"
+
+namespace accel::strategy {
+
+namespace detail {
+
+// The generator states the initialisers of `tensors` replay, each recipe once,
+// in the order the tensors come (the same on every rank for the same model).
+inline std::vector<at::Tensor> initialiser_states(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::vector<at::Tensor> states;
+  std::set<const device::detail::Recipe*> seen;
+  auto visit = [&](auto& self, const device::detail::Recipe& recipe) -> void {
+    if (!seen.insert(&recipe).second) return;
+    for (const auto& step : recipe.steps) {
+      for (const auto& source : step.sources) self(self, *source.recipe);
+      if (step.generator) states.push_back(step.generator_state);
+    }
+  };
+  for (const auto& [name, t] : tensors) {
+    if (!t.is_meta()) continue;
+    auto recipe = device::detail::recipe_book().find(t);
+    if (!recipe) (void)device::materialized(t, name);  // throws the sentence that says why
+    visit(visit, *recipe);
+  }
+  return states;
+}
+
+inline std::vector<std::pair<std::string, at::Tensor>> meta_tensors_of(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model.named_parameters())
+    if (item.value().is_meta()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : model.named_buffers())
+    if (item.value().is_meta()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+}  // namespace detail
+
+/// Every rank of `group` takes its first rank's generator states for the
+/// initialisers of `model` (a model built on meta): what the broadcast of
+/// rank 0's weights is to a model built whole.
+inline void agree_on_initialisers(const torch::nn::Module& model, comm::Communicator& group,
+                                  const std::string& strategy_name) {
+  if (!group.distributed()) return;
+  auto states = detail::initialiser_states(detail::meta_tensors_of(model));
+  std::int64_t bytes = 0;
+  for (const auto& s : states) bytes += s.numel();
+  const auto mine = at::tensor({static_cast<std::int64_t>(states.size()), bytes});
+  const auto all = group.all_gather(mine, "initialiser check of a model built on meta");
+  for (int r = 0; r < group.size(); ++r)
+    if (!all[r].equal(all[0]))
+      throw std::runtime_error("accel " + strategy_name + ": rank " + std::to_string(r) + "'s model built on meta draws " +
+                               std::to_string(all[r][0].item<std::int64_t>()) + " random initialisers, rank 0's " +
+                               std::to_string(all[0][0].item<std::int64_t>()) +
+                               ": every rank must build the same model the same way");
+  if (states.empty()) return;
+  std::vector<at::Tensor> flat_states;
+  for (const auto& s : states) flat_states.push_back(s.reshape({-1}));
+  auto joined = at::cat(flat_states);
+  group.broadcast(joined, 0, "broadcast of rank 0's initialiser states at prepare");
+  std::int64_t offset = 0;
+  for (auto& s : states) {
+    s.copy_(joined.narrow(0, offset, s.numel()).view(s.sizes()));
+    offset += s.numel();
+  }
+}
+
+/// Gives the meta tensors among `tensors` their values on `device`, one at a
+/// time (each replayed on the host, then moved).
+inline void materialize_each(const std::vector<std::pair<std::string, at::Tensor>>& tensors, at::Device device) {
+  c10::NoGradGuard no_grad;
+  for (const auto& [name, t] : tensors)
+    if (t.is_meta()) device::detail::give_data(t, device::materialized(t, name).to(device));
+}
+
+/// The model's meta buffers, whole, on `device` (buffers are not sharded).
+inline void materialize_buffers(torch::nn::Module& model, at::Device device) {
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+  for (const auto& item : model.named_buffers()) buffers.emplace_back(item.key(), item.value());
+  materialize_each(buffers, device);
+}
+
+}  // namespace accel::strategy
