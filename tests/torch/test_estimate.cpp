@@ -586,12 +586,16 @@ TEST_SUITE("estimate") {
     auto resized = accel::device::build_on_meta([] { return std::make_shared<ResizedImpl>(); });
     CHECK_THROWS_WITH_AS(accel::device::materialize(*resized), doctest::Contains("'w' cannot be computed again: aten::resize_"),
                          std::logic_error);
-    accel::Trainer<accel::DDP> ddp;
     auto linear = accel::device::build_on_meta([] { return torch::nn::Linear(3, 2); });
+    accel::Trainer<accel::DDP> ddp;
     CHECK_THROWS_WITH_AS(ddp.prepare(linear), doctest::Contains("only ZeRO<3> and HybridShard"), std::logic_error);
+    accel::Trainer<accel::Parallel<accel::ZeRO<3>>> mesh;  // the data engine gets a part of the model, not a meta model
+    CHECK_THROWS_WITH_AS(mesh.prepare(linear), doctest::Contains("call accel::device::materialize(model) before prepare"),
+                         std::logic_error);
+    for (const auto& p : linear->parameters()) CHECK(p.is_meta());  // refused before anything was moved
   }
 
-  TEST_CASE("a model built on meta under ZeRO-3 (2 ranks) and HybridShard (2x2): parameters after prepare and after "
+  TEST_CASE("a model built on meta under ZeRO-3 (2 ranks, with and without cpu_offload) and HybridShard (2x2): parameters after prepare and after "
             "three Adam steps bitwise those of the model built whole, rank 0's initialisation winning on every rank") {
     const gpt::Config c{.vocab = 64, .context = 16, .width = 32, .heads = 4, .layers = 4};
     const auto blocks = accel::AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
@@ -633,6 +637,8 @@ TEST_SUITE("estimate") {
       }, bounded(std::chrono::seconds(120)));
     };
     check(accel::ZeRO<3>{.auto_wrap_policy = blocks, .transformer_layer_cls_to_wrap = {"BlockImpl"}}, "ZeRO-3", 2);
+    check(accel::ZeRO<3>{.auto_wrap_policy = blocks, .transformer_layer_cls_to_wrap = {"BlockImpl"}, .cpu_offload = true},
+          "ZeRO-3 + cpu_offload", 2);
     check(accel::HybridShard{.zero = {.auto_wrap_policy = blocks, .transformer_layer_cls_to_wrap = {"BlockImpl"}},
                              .shard_group_size = 2},
           "HybridShard 2x2", 4);

@@ -273,6 +273,13 @@ inline void record_and_run(const c10::OperatorHandle& op, torch::jit::Stack* sta
         step.strides = vec(t.strides());
         step.offset = t.storage_offset();
         value = c10::IValue();  // replaced by the storage's view when replayed
+      } else if (writes(arguments[i])) {  // a second output written: not replayed, so refused
+        if (auto other = book.find(t)) {
+          std::lock_guard lock(book.mutex);
+          if (other->refused.empty()) other->refused = name + " wrote it together with another tensor";
+        }
+        add_source(t, std::nullopt);
+        value = c10::IValue();
       } else if (factory) {
         value = shape_only(t);
       } else {
