@@ -533,6 +533,9 @@ TEST_SUITE("estimate") {
         halves.narrow(0, 3, 3).uniform_(-1, 1);
         register_parameter("copied", at::empty({3})).copy_(constant);
         register_buffer("running", at::ones({4}) * 3);
+        // Options taken from a meta tensor name the meta device: replayed where the model lives.
+        register_parameter("options_of_meta", at::randn({2, 2}, halves.options()));
+        register_buffer("mask", at::ones({4}, halves.options().dtype(at::kBool)));
       }
     };
     accel::comm::Communicator one_rank;
@@ -593,6 +596,21 @@ TEST_SUITE("estimate") {
     CHECK_THROWS_WITH_AS(mesh.prepare(linear), doctest::Contains("call accel::device::materialize(model) before prepare"),
                          std::logic_error);
     for (const auto& p : linear->parameters()) CHECK(p.is_meta());  // refused before anything was moved
+    // One rank built on meta, the other whole: both told, instead of a hang or different weights.
+    accel::spawn(2, [](int rank) {
+      accel::Trainer<accel::ZeRO<3>> zero3;
+      auto build = [] { return torch::nn::Linear(3, 2); };
+      auto model = rank == 1 ? accel::device::build_on_meta(build) : build();
+      try {
+        zero3.prepare(model);
+      } catch (const std::runtime_error& e) {
+        require(std::string(e.what()).find("rank 1's model is built on the meta device, rank 0's is not") !=
+                    std::string::npos,
+                e.what());
+        return;
+      }
+      require(false, "rank " + std::to_string(rank) + " prepared a model built on meta beside one built whole");
+    }, bounded(std::chrono::seconds(60)));
   }
 
   TEST_CASE("a model built on meta under ZeRO-3 (2 ranks, with and without cpu_offload) and HybridShard (2x2): parameters after prepare and after "

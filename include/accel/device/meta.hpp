@@ -35,10 +35,12 @@
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/Device.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 #include <torch/nn/module.h>
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -147,13 +149,17 @@ inline at::Tensor view_of(const at::Tensor& buffer, const std::vector<std::int64
   return buffer.as_strided(sizes, strides, offset);
 }
 
-inline at::Tensor replay(const Recipe& recipe, std::size_t steps);
+// What one materialisation has replayed already: a storage read by several
+// steps (or by a step that writes it, w.div_(w.norm())) is computed once.
+using ReplayCache = std::map<std::pair<const Recipe*, std::size_t>, at::Tensor>;
+
+inline at::Tensor replay(const Recipe& recipe, std::size_t steps, ReplayCache& cache);
 
 // Puts real tensors where the step's meta inputs were.
-inline std::vector<c10::IValue> real_arguments(const Step& step) {
+inline std::vector<c10::IValue> real_arguments(const Step& step, ReplayCache& cache) {
   auto stack = step.arguments;
   for (const auto& source : step.sources) {
-    auto real = view_of(replay(*source.recipe, source.steps_done), source.sizes, source.strides, source.offset);
+    auto real = view_of(replay(*source.recipe, source.steps_done, cache), source.sizes, source.strides, source.offset);
     if (!source.list_index) {
       stack[source.argument] = real;
       continue;
@@ -167,7 +173,8 @@ inline std::vector<c10::IValue> real_arguments(const Step& step) {
 
 // Sets the generators the replayed steps draw from, and gives them back
 // their states afterwards: materialising leaves the program's streams as
-// they were.
+// they were. (The default generators are the process's: materialise while
+// no other thread draws from them.)
 class GeneratorStates {
  public:
   void set(at::Generator generator, const at::Tensor& state) {
@@ -189,14 +196,16 @@ class GeneratorStates {
 };
 
 /// The storage's elements (1-D, on the device a real build used) after its
-/// first `steps` steps, computed again.
-inline at::Tensor replay(const Recipe& recipe, std::size_t steps) {
+/// first `steps` steps, computed again (read-only when it comes from `cache`).
+inline at::Tensor replay(const Recipe& recipe, std::size_t steps, ReplayCache& cache) {
+  const auto key = std::make_pair(&recipe, steps);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
   c10::NoGradGuard no_grad;
   GeneratorStates generators;
   at::Tensor buffer;
   for (std::size_t i = 0; i < steps; ++i) {
     const auto& step = recipe.steps[i];
-    auto stack = real_arguments(step);
+    auto stack = real_arguments(step, cache);
     if (step.generator) generators.set(*step.generator, step.generator_state);
     if (step.written) {
       stack[*step.written] = view_of(buffer, step.sizes, step.strides, step.offset);
@@ -208,6 +217,7 @@ inline at::Tensor replay(const Recipe& recipe, std::size_t steps) {
     buffer = at::empty({recipe.numel}, made.options());
     view_of(buffer, step.sizes, step.strides, step.offset).copy_(made);
   }
+  cache.emplace(key, buffer);
   return buffer;
 }
 
@@ -215,13 +225,23 @@ inline at::Tensor replay(const Recipe& recipe, std::size_t steps) {
 // generator advances as in a real build.
 inline void advance_generator(const Step& step, const std::shared_ptr<Recipe>& written_recipe) {
   c10::NoGradGuard no_grad;
-  auto stack = real_arguments(step);
+  ReplayCache cache;
+  auto stack = real_arguments(step, cache);
   if (step.written) {
     const auto& r = *written_recipe;
     auto scratch = at::empty({r.numel}, at::TensorOptions().dtype(r.dtype).device(r.device));
     stack[*step.written] = view_of(scratch, step.sizes, step.strides, step.offset);
   }
   step.op.callBoxed(&stack);
+}
+
+// The first reason found why `recipe`, or a recipe it reads, cannot be replayed.
+inline std::string refusal_of(const Recipe& recipe) {
+  if (!recipe.refused.empty()) return recipe.refused;
+  for (const auto& step : recipe.steps)
+    for (const auto& source : step.sources)
+      if (auto why = refusal_of(*source.recipe); !why.empty()) return why;
+  return {};
 }
 
 inline std::vector<std::int64_t> vec(c10::IntArrayRef a) { return a.vec(); }
@@ -242,6 +262,19 @@ inline void record_and_run(const c10::OperatorHandle& op, torch::jit::Stack* sta
   const bool factory = device_argument.has_value() && reads_only_shapes(schema);
   auto& book = recipe_book();
 
+  // An operator on real tensors only (a tensor from outside the build): not the model's, run as it is.
+  bool touches_meta = device_argument.has_value();
+  for (std::size_t i = first; i < stack->size() && !touches_meta; ++i) {
+    const auto& v = (*stack)[i];
+    if (is_meta_tensor(v)) touches_meta = true;
+    else if (v.isList())
+      for (const auto& element : v.toListRef()) touches_meta = touches_meta || is_meta_tensor(element);
+  }
+  if (!touches_meta) {
+    c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::Fake);
+    return op.callBoxed(stack);
+  }
+
   Step step{op, std::vector<c10::IValue>(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end()), {}, {}, 0, {}, {}, 0, {}, {}};
   std::string refused;
   const auto& name = schema.name();
@@ -249,7 +282,13 @@ inline void record_and_run(const c10::OperatorHandle& op, torch::jit::Stack* sta
     refused = name + " changed its storage";
 
   // The meta inputs: written (in-place), shape-only (factories), or read (sources).
-  std::shared_ptr<Recipe> written_recipe;
+  std::shared_ptr<Recipe> written_recipe, shape_recipe;
+  auto refuse = [&](const at::Tensor& t, const std::string& why) {
+    if (auto recipe = book.find(t)) {
+      std::lock_guard lock(book.mutex);
+      if (recipe->refused.empty()) recipe->refused = why;
+    }
+  };
   std::vector<const c10::StorageImpl*> input_storages;
   for (std::size_t i = 0; i < arguments.size(); ++i) {
     auto add_source = [&](const at::Tensor& t, std::optional<std::size_t> list_index) {
@@ -274,13 +313,11 @@ inline void record_and_run(const c10::OperatorHandle& op, torch::jit::Stack* sta
         step.offset = t.storage_offset();
         value = c10::IValue();  // replaced by the storage's view when replayed
       } else if (writes(arguments[i])) {  // a second output written: not replayed, so refused
-        if (auto other = book.find(t)) {
-          std::lock_guard lock(book.mutex);
-          if (other->refused.empty()) other->refused = name + " wrote it together with another tensor";
-        }
+        refuse(t, name + " wrote it together with another tensor");
         add_source(t, std::nullopt);
         value = c10::IValue();
       } else if (factory) {
+        if (!shape_recipe) shape_recipe = book.find(t);
         value = shape_only(t);
       } else {
         add_source(t, std::nullopt);
@@ -288,8 +325,18 @@ inline void record_and_run(const c10::OperatorHandle& op, torch::jit::Stack* sta
       }
     } else if (value.isTensorList()) {
       auto list = value.toTensorVector();
-      for (std::size_t k = 0; k < list.size(); ++k)
-        if (list[k].defined() && list[k].is_meta()) add_source(list[k], k);
+      for (std::size_t k = 0; k < list.size(); ++k) {
+        if (!list[k].defined() || !list[k].is_meta()) continue;
+        if (writes(arguments[i])) refuse(list[k], name + " wrote it in a list of tensors");
+        add_source(list[k], k);
+      }
+    } else if (value.isList()) {  // Tensor?[] (index_put_'s indices): not replayed
+      for (const auto& element : value.toListRef())
+        if (is_meta_tensor(element)) refused = name + " read meta tensors in a list of optional tensors";
+    } else if (value.isTensor() && value.toTensor().defined()) {
+      // A real tensor (a constant copied in): kept as it is now, not as it may be later.
+      c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::Fake);
+      value = value.toTensor().clone();
     }
   }
   for (auto& source : step.sources)
@@ -299,12 +346,19 @@ inline void record_and_run(const c10::OperatorHandle& op, torch::jit::Stack* sta
       step.arguments[source.argument] = list;
     }
 
-  // Where a real build would have run it: the device asked for, else its inputs'.
+  // Where a real build would have run it: the device asked for, else its
+  // inputs'. A meta device asked for (options taken from a meta tensor,
+  // torch::ones(n, weight.options())) stands for the inputs' too.
   at::Device where = at::kCPU;
-  if (device_argument && !step.arguments[*device_argument].isNone()) where = step.arguments[*device_argument].toDevice();
+  auto& asked = device_argument ? step.arguments[*device_argument] : step.arguments.front();
+  if (device_argument && !asked.isNone() && asked.toDevice().is_meta()) asked = c10::IValue();
+  if (device_argument && !asked.isNone()) where = asked.toDevice();
   else if (written_recipe) where = written_recipe->device;
+  else if (shape_recipe) where = shape_recipe->device;
   else if (!step.sources.empty()) where = step.sources.front().recipe->device;
-  if (device_argument && step.arguments[*device_argument].isNone()) step.arguments[*device_argument] = c10::IValue(where);
+  if (!where.is_cpu() && !where.has_index())  // the device current now, not when it is replayed
+    where = c10::impl::getDeviceGuardImpl(where.type())->getDevice();
+  if (device_argument) asked = c10::IValue(where);
 
   if (draws_random_numbers(schema) && refused.empty() && (written_recipe || !step.written)) {
     const bool given = generator_argument && !step.arguments[*generator_argument].isNone();
@@ -424,22 +478,48 @@ auto build_shapes_on_meta(Build&& build) -> decltype(std::forward<Build>(build)(
   return detail::build_with_fallback(std::forward<Build>(build), false);
 }
 
-/// The values a real build would have given `t` (a tensor of a model made by
-/// build_on_meta), computed again, on the device that build would have used
-/// (the host, unless the model asked for another). `name` is for errors.
-inline at::Tensor materialized(const at::Tensor& t, const std::string& name) {
-  auto recipe = detail::recipe_book().find(t);
+namespace detail {
+
+// The recipe materialized() replays for `t`, or the sentence saying why there is none.
+inline std::shared_ptr<const Recipe> replayable_recipe(const at::Tensor& t, const std::string& name) {
+  auto recipe = recipe_book().find(t);
   if (!recipe)
     throw std::logic_error("accel: '" + name +
                            "' is a meta tensor that build_on_meta did not make (build_shapes_on_meta keeps shapes "
                            "only; or it was made again outside it, e.g. by model->to(dtype)): build the whole model, "
                            "conversions included, inside accel::device::build_on_meta");
-  if (!recipe->refused.empty())
-    throw std::logic_error("accel: '" + name + "' cannot be computed again: " + recipe->refused +
+  if (const auto why = refusal_of(*recipe); !why.empty())
+    throw std::logic_error("accel: '" + name + "' cannot be computed again: " + why +
                            " while the model was built on the meta device; initialise it with operators on its own "
                            "storage (normal_, uniform_, fill_, copy_ from another tensor)");
-  const auto buffer = detail::replay(*recipe, recipe->steps.size());
+  return recipe;
+}
+
+}  // namespace detail
+
+/// The values a real build would have given `t` (a tensor of a model made by
+/// build_on_meta), computed again, on the device that build would have used
+/// (the host, unless the model asked for another). `name` is for errors.
+/// Run it while no other thread draws from the default generators.
+inline at::Tensor materialized(const at::Tensor& t, const std::string& name) {
+  const auto recipe = detail::replayable_recipe(t, name);
+  detail::ReplayCache cache;
+  const auto buffer = detail::replay(*recipe, recipe->steps.size(), cache);
   return buffer.as_strided(t.sizes(), t.strides(), t.storage_offset());
+}
+
+/// Throws what preparing `model` from meta would, before anything is
+/// computed or communicated: every meta tensor can be replayed, and no
+/// parameter is real beside them (its value would not be rank 0's).
+inline void check_materializable(const torch::nn::Module& model) {
+  for (const auto& item : model.named_parameters())
+    if (!item.value().is_meta())
+      throw std::logic_error("accel: parameter '" + item.key() +
+                             "' is a real tensor in a model built on the meta device: build the whole model inside "
+                             "accel::device::build_on_meta (load trained weights after prepare, with load_state)");
+  for (const auto& item : model.named_parameters()) (void)detail::replayable_recipe(item.value(), item.key());
+  for (const auto& item : model.named_buffers())
+    if (item.value().is_meta()) (void)detail::replayable_recipe(item.value(), item.key());
 }
 
 /// Whether any parameter or buffer of `model` is a meta tensor.

@@ -466,16 +466,23 @@ class BucketedEngineBase : public EngineDefaults {
   void check_same_model_everywhere(torch::nn::Module& model) {
     auto& s = *state_;
     if (!s.comm->distributed()) return;
-    std::int64_t count = 0, numel = 0, shape_hash = 0;
+    std::int64_t count = 0, numel = 0, shape_hash = 0, on_meta = 0;
     for (auto& p : model.parameters()) {
       ++count;
       numel += p.numel();
+      on_meta += p.is_meta();
       for (auto d : p.sizes()) shape_hash = (shape_hash * 1000003 + d) % 2147483647;
     }
-    auto mine = at::tensor({count, numel, shape_hash, static_cast<std::int64_t>(model.buffers().size())});
+    auto mine = at::tensor({count, numel, shape_hash, static_cast<std::int64_t>(model.buffers().size()), on_meta});
     auto all = s.comm->all_gather(mine, "model signature check at prepare");
     for (int r = 0; r < s.comm->size(); ++r)
-      if (!all[r].equal(all[0]))
+      if ((all[r][4].item<std::int64_t>() > 0) != (all[0][4].item<std::int64_t>() > 0))
+        throw std::runtime_error("accel " + std::string(s.settings.strategy_name) + ": rank " + std::to_string(r) +
+                                 "'s model is " + (all[r][4].item<std::int64_t>() > 0 ? "" : "not ") +
+                                 "built on the meta device, rank 0's is " +
+                                 (all[0][4].item<std::int64_t>() > 0 ? "" : "not") +
+                                 ": every rank must build the model the same way (build_on_meta on all of them)");
+      else if (!all[r].equal(all[0]))
         throw std::runtime_error("accel " + std::string(s.settings.strategy_name) + ": rank " + std::to_string(r) +
                                  "'s model (" + std::to_string(all[r][0].item<std::int64_t>()) + " parameters, " +
                                  std::to_string(all[r][1].item<std::int64_t>()) + " elements) differs from rank 0's (" +

@@ -302,6 +302,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   /// parameters at a time, keeps this rank's shard of them and frees the unit.
   void prepare_meta_model(torch::nn::Module& model, at::Device device) {
     if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
+    device::check_materializable(model);  // every rank alike, before any collective
     collect(model, /*broadcast=*/false);
     agree_on_initialisers(model, *state_->comm, state_->settings.strategy_name);
     checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
@@ -345,7 +346,10 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
       z.unit_of_storage[flat.storage().unsafeGetStorageImpl()] = u;
     }
     // Built on meta: buffers and frozen parameters, which are not sharded, whole.
-    if (materialize_on_) materialize_each(detail::meta_tensors_of(*model_), *materialize_on_);
+    if (materialize_on_) {
+      materialize_each(detail::meta_tensors_of(*model_), *materialize_on_);
+      device::detail::recipe_book().prune();  // the records of the storages just replaced
+    }
     for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
     if (offload_.enabled()) offload_.attach(z.shards);
     point_optimizer_at(groups, optimizer_parameters());
