@@ -147,9 +147,12 @@ RealMemory real_memory(const Strategy& strategy) {
   const auto batch = counter.live_bytes() - before_batch;
   auto loss = [&] { return torch::nn::functional::cross_entropy(net->forward(x), y); };
   trainer.step(loss);  // the optimizer's state exists from here on
-  // Gloo's worker may drop its hold on a finished collective's input just
-  // after wait() returned.
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Gloo's worker thread may drop its hold on a finished collective's
+  // buffers just after wait() returned (seen with torch 2.15 under ZeRO-2,
+  // a whole bucket for over 100 ms): give it up to 2 s, then measure.
+  const auto state = trainer.model_state_bytes();
+  for (int i = 0; i < 40 && counter.live_bytes() - batch > state.total() + state.offloaded_total() + 4096; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   RealMemory m;
   m.between = counter.live_bytes() - batch;
   counter.reset_peak();

@@ -23,8 +23,13 @@
 // real build would have used, from the same generator states; the values are
 // bitwise those of a real build. ZeRO-3 replays one parameter at a time into
 // its shard (strategy/deferred_init.hpp); materialize(model) replays all.
-// Refused with a sentence: a tensor not made inside build_on_meta (or made
-// over again outside it, e.g. by model->to(dtype)), and resize_/set_.
+// An operator on real tensors only runs as it is (it is not the model's);
+// options taken from a meta tensor stand for the device the model lives on;
+// real tensors an operator reads (a constant copied in) are kept as they were.
+// Refused with a sentence when materialised: a tensor not made inside
+// build_on_meta (or made over again outside it, e.g. by model->to(dtype)),
+// resize_/set_, Tensor?[] arguments, an operator writing two recorded tensors
+// or a list of them.
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
