@@ -617,10 +617,11 @@ TEST_SUITE("estimate") {
   }
 
   TEST_CASE("a model built on meta under ZeRO-3 (2 ranks, with and without cpu_offload) and HybridShard (2x2): parameters after prepare and after "
-            "three Adam steps bitwise those of the model built whole, rank 0's initialisation winning on every rank") {
+            "three Adam steps bitwise those of the model built whole, rank 0's initialisation winning on every rank; "
+            "when the trainer goes, it returns to meta instead of being gathered whole") {
     const gpt::Config c{.vocab = 64, .context = 16, .width = 32, .heads = 4, .layers = 4};
     const auto blocks = accel::AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
-    auto train = [&](auto strategy, int rank, bool on_meta, int steps) {
+    auto train = [&](auto strategy, int rank, bool on_meta, int steps, bool unwrap = true) {
       auto net = [&] {
         accel::Trainer<decltype(strategy)> trainer(strategy);
         at::manual_seed(1000 + rank);  // different generators: prepare gives every rank rank 0's values either way
@@ -638,10 +639,13 @@ TEST_SUITE("estimate") {
           trainer.optimizer_step();
           trainer.zero_grad();
         }
-        return model;  // given back whole when the trainer goes
+        // Whole on every rank: a model built whole is given back whole when
+        // the trainer goes, one built on meta goes back to meta (it may not fit).
+        if (unwrap) trainer.unwrap_model();
+        return model;
       }();
       std::vector<at::Tensor> out;
-      for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+      for (const auto& p : net->parameters()) out.push_back(unwrap ? p.detach().clone() : p);
       return out;
     };
     auto check = [&](auto strategy, const std::string& name, int world) {
@@ -655,6 +659,8 @@ TEST_SUITE("estimate") {
                                                           std::to_string(i) + " differs after " + std::to_string(steps) +
                                                           " steps when the model was built on meta");
         }
+        for (const auto& p : train(strategy, rank, true, 1, /*unwrap=*/false))
+          require(p.is_meta(), name + ": a model built on meta was given back whole when the trainer went");
       }, bounded(std::chrono::seconds(120)));
     };
     check(accel::ZeRO<3>{.auto_wrap_policy = blocks, .transformer_layer_cls_to_wrap = {"BlockImpl"}}, "ZeRO-3", 2);

@@ -270,13 +270,19 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   // The model outlives the trainer: give it back whole (a collective, as
   // every rank destroys its trainer at the same point of the program). Not
   // while an exception unwinds: the peers may not be there; the parameters
-  // then stay sharded and must not be used.
+  // then stay sharded and must not be used. Not a model built on meta,
+  // which may not fit whole: it goes back to the meta device (unwrap_model
+  // before, to have it whole).
   ~ZeROEngine() {
     if (!detached_ && std::uncaught_exceptions() == 0 && !z3_->shards.empty()) {
-      try {
-        unshard_permanently();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "accel ZeRO<3>: could not gather the full model at shutdown: %s\n", e.what());
+      if (materialize_on_) {
+        back_to_meta();
+      } else {
+        try {
+          unshard_permanently();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "accel ZeRO<3>: could not gather the full model at shutdown: %s\n", e.what());
+        }
       }
     }
     stop_observing();
@@ -489,6 +495,15 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   }
 
  private:
+  void back_to_meta() {
+    detail::BusyScope busy;
+    c10::NoGradGuard no_grad;
+    for (auto& p : state_->params) {
+      p.mutable_grad() = at::Tensor();
+      device::detail::give_data(p, at::empty_strided(p.sizes(), p.strides(), p.options().device(at::kMeta)));
+    }
+  }
+
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_of(std::size_t b) const {
     std::vector<std::pair<std::string, at::Tensor>> out;
     for (auto i : state_->buckets[b].params) out.emplace_back(state_->names[i], state_->params[i]);
