@@ -517,40 +517,45 @@ inline at::Tensor materialized(const at::Tensor& t, const std::string& name) {
 /// computed or communicated: every meta tensor can be replayed, and no
 /// parameter is real beside them (its value would not be rank 0's).
 inline void check_materializable(const torch::nn::Module& model) {
-  for (const auto& item : model.named_parameters())
+  for (const auto& item : model.named_parameters()) {
     if (!item.value().is_meta())
       throw std::logic_error("accel: parameter '" + item.key() +
                              "' is a real tensor in a model built on the meta device: build the whole model inside "
                              "accel::device::build_on_meta (load trained weights after prepare, with load_state)");
-  for (const auto& item : model.named_parameters()) (void)detail::replayable_recipe(item.value(), item.key());
+    (void)detail::replayable_recipe(item.value(), item.key());
+  }
   for (const auto& item : model.named_buffers())
     if (item.value().is_meta()) (void)detail::replayable_recipe(item.value(), item.key());
 }
 
-/// Whether any parameter or buffer of `model` is a meta tensor.
-inline bool has_meta_tensors(const torch::nn::Module& model) {
-  for (const auto& p : model.parameters())
-    if (p.is_meta()) return true;
-  for (const auto& b : model.buffers())
-    if (b.is_meta()) return true;
-  return false;
+namespace detail {
+
+// The model's meta parameters, then its meta buffers, by name.
+inline std::vector<std::pair<std::string, at::Tensor>> meta_tensors_of(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model.named_parameters())
+    if (item.value().is_meta()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : model.named_buffers())
+    if (item.value().is_meta()) out.emplace_back(item.key(), item.value());
+  return out;
 }
+
+// Gives the meta tensors among `tensors` their values on `device`, one at a
+// time (each replayed where a real build made it, then moved).
+inline void materialize_each(const std::vector<std::pair<std::string, at::Tensor>>& tensors, at::Device device) {
+  c10::NoGradGuard no_grad;
+  for (const auto& [name, t] : tensors)
+    if (t.is_meta()) give_data(t, materialized(t, name).to(device));
+}
+
+}  // namespace detail
 
 /// Gives every meta parameter and buffer of `model` (built by build_on_meta)
 /// the values a real build would have given it, on `device` (torch's
 /// to_empty() plus the initialisation, in one): the whole model in memory, as
 /// every strategy but ZeRO-3 keeps it. The generators are left as they were.
 inline void materialize(torch::nn::Module& model, at::Device device = at::kCPU) {
-  c10::NoGradGuard no_grad;
-  auto give = [&](const auto& named) {
-    for (const auto& item : named) {
-      const auto& t = item.value();
-      if (!t.is_meta()) continue;
-      detail::give_data(t, materialized(t, item.key()).to(device));
-    }
-  };
-  give(model.named_parameters());
-  give(model.named_buffers());
+  detail::materialize_each(detail::meta_tensors_of(model), device);
   detail::recipe_book().prune();
 }
 

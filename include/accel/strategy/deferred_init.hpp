@@ -35,22 +35,8 @@ inline std::vector<at::Tensor> initialiser_states(const std::vector<std::pair<st
       if (step.generator) states.push_back(step.generator_state);
     }
   };
-  for (const auto& [name, t] : tensors) {
-    if (!t.is_meta()) continue;
-    auto recipe = device::detail::recipe_book().find(t);
-    if (!recipe) (void)device::materialized(t, name);  // throws the sentence that says why
-    visit(visit, *recipe);
-  }
+  for (const auto& [name, t] : tensors) visit(visit, *device::detail::replayable_recipe(t, name));
   return states;
-}
-
-inline std::vector<std::pair<std::string, at::Tensor>> meta_tensors_of(const torch::nn::Module& model) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : model.named_parameters())
-    if (item.value().is_meta()) out.emplace_back(item.key(), item.value());
-  for (const auto& item : model.named_buffers())
-    if (item.value().is_meta()) out.emplace_back(item.key(), item.value());
-  return out;
 }
 
 }  // namespace detail
@@ -61,7 +47,7 @@ inline std::vector<std::pair<std::string, at::Tensor>> meta_tensors_of(const tor
 inline void agree_on_initialisers(const torch::nn::Module& model, comm::Communicator& group,
                                   const std::string& strategy_name) {
   if (!group.distributed()) return;
-  auto states = detail::initialiser_states(detail::meta_tensors_of(model));
+  auto states = detail::initialiser_states(device::detail::meta_tensors_of(model));
   std::int64_t bytes = 0;
   for (const auto& s : states) bytes += s.numel();
   const auto mine = at::tensor({static_cast<std::int64_t>(states.size()), bytes});
@@ -82,21 +68,6 @@ inline void agree_on_initialisers(const torch::nn::Module& model, comm::Communic
     s.copy_(joined.narrow(0, offset, s.numel()).view(s.sizes()));
     offset += s.numel();
   }
-}
-
-/// Gives the meta tensors among `tensors` their values on `device`, one at a
-/// time (each replayed on the host, then moved).
-inline void materialize_each(const std::vector<std::pair<std::string, at::Tensor>>& tensors, at::Device device) {
-  c10::NoGradGuard no_grad;
-  for (const auto& [name, t] : tensors)
-    if (t.is_meta()) device::detail::give_data(t, device::materialized(t, name).to(device));
-}
-
-/// The model's meta buffers, whole, on `device` (buffers are not sharded).
-inline void materialize_buffers(torch::nn::Module& model, at::Device device) {
-  std::vector<std::pair<std::string, at::Tensor>> buffers;
-  for (const auto& item : model.named_buffers()) buffers.emplace_back(item.key(), item.value());
-  materialize_each(buffers, device);
 }
 
 }  // namespace accel::strategy

@@ -339,7 +339,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
       auto& bucket = s.buckets[b];
       const std::size_t u = static_cast<std::size_t>(bucket.unit);
-      if (materialize_on_) materialize_each(named_parameters_of(b), *materialize_on_);  // this bucket's only
+      if (materialize_on_) device::detail::materialize_each(named_parameters_of(b), *materialize_on_);  // this bucket's only
       at::Tensor flat = flatten_parameters(b);  // (padded,)
       const std::int64_t shard = bucket.padded / world;
       z.flat.push_back(flat);
@@ -353,7 +353,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     }
     // Built on meta: buffers and frozen parameters, which are not sharded, whole.
     if (materialize_on_) {
-      materialize_each(detail::meta_tensors_of(*model_), *materialize_on_);
+      device::detail::materialize_each(device::detail::meta_tensors_of(*model_), *materialize_on_);
       device::detail::recipe_book().prune();  // the records of the storages just replaced
     }
     for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
