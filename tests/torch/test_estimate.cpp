@@ -141,15 +141,18 @@ RealMemory real_memory(const Strategy& strategy) {
   auto net = make_mlp(real_widths);
   torch::optim::Adam adam(net->parameters());
   trainer.prepare(net, adam);
-  const auto before_batch = counter.live_bytes();
   auto x = at::randn({real_batch, real_widths.front()});
   auto y = at::randint(real_widths.back(), {real_batch}, at::TensorOptions().dtype(at::kLong));
-  const auto batch = counter.live_bytes() - before_batch;
+  // The batch's own bytes, not a difference of live counts around its
+  // allocation: a Gloo worker thread may still hold a finished collective's
+  // buffer there (prepare's broadcast, the whole model, for a few ms after
+  // wait() returned, seen with torch 2.15), and its release in between
+  // would be counted against the batch, and later held against the rank.
+  const auto batch = static_cast<std::int64_t>(x.storage().nbytes() + y.storage().nbytes());
   auto loss = [&] { return torch::nn::functional::cross_entropy(net->forward(x), y); };
   trainer.step(loss);  // the optimizer's state exists from here on
-  // Gloo's worker thread may drop its hold on a finished collective's
-  // buffers just after wait() returned (seen with torch 2.15 under ZeRO-2,
-  // a whole bucket for over 100 ms): give it up to 2 s, then measure.
+  // The same holds after the step's collectives: give Gloo's threads up to
+  // 2 s to let go, then measure.
   const auto state = trainer.model_state_bytes();
   for (int i = 0; i < 40 && counter.live_bytes() - batch > state.total() + state.offloaded_total() + 4096; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
