@@ -314,7 +314,10 @@ TEST_SUITE("estimate") {
                       static_cast<long long>(m.peak - m.between));
         require(m.between >= held && m.between - held <= 4096,
                 name + ": between steps " + std::to_string(m.between) + " bytes allocated, model_state_bytes " + std::to_string(held));
-        require(m.peak >= m.between + held_only_within_step + activations,
+        // The activations' formula is held to 10% of the allocator (the
+        // activations test), and a strategy whose step has no larger
+        // transient (ZeRO-1, gathering in place) peaks at them alone.
+        require(m.peak >= m.between + held_only_within_step + activations * 9 / 10,
                 name + ": the peak " + std::to_string(m.peak) + " holds less than the state, " +
                     std::to_string(held_only_within_step) + " bytes held only within the step and the activations");
         require(m.peak <= m.between + activations + 2 * P + 2 * largest,

@@ -283,17 +283,23 @@ class Communicator {
     return pending(backend().recv(tensors, src, tag), std::move(what), timeout_, true);
   }
 
-  /// Equal-split all-to-all: chunk j of `input` goes to rank j; chunk j of
-  /// `output` comes from rank j (Gloo's building block for reduce-scatter,
-  /// which passes `counted_as` reduce_scatter so traffic says what it is).
-  Pending all_to_all_async(at::Tensor& output, at::Tensor& input, std::string what,
-                           Collective counted_as = Collective::all_to_all) {
+  /// All-to-all among the other ranks: `input` holds size() - 1 equal
+  /// chunks, one for each other rank in rank order; `output` receives theirs,
+  /// in rank order. Gloo's building block for reduce-scatter
+  /// (strategy/buckets.hpp), where this rank's own chunk needs neither the
+  /// wire nor a receive slot; counted as `counted_as` of `counted_bytes`, the
+  /// whole reduce-scatter's input, as NCCL's native one is.
+  Pending all_to_all_others_async(at::Tensor& output, at::Tensor& input, std::string what, Collective counted_as,
+                                  std::uint64_t counted_bytes) {
     const profiling::Range range("accel::all_to_all", what);
-    count(counted_as, bytes_of(input), input, what);
-    std::vector<std::int64_t> equal_splits;
+    count(counted_as, counted_bytes, input, what);
+    const std::int64_t chunk = input.numel() / std::max(1, size_ - 1);
+    // Two vectors: LibTorch 1.13's Gloo work moves from each argument.
+    std::vector<std::int64_t> output_splits(size_, chunk), input_splits(size_, chunk);
+    output_splits[rank_] = input_splits[rank_] = 0;
     c10d::AllToAllOptions options;
     options.timeout = timeout_;
-    return pending(backend().alltoall_base(output, input, equal_splits, equal_splits, options), std::move(what));
+    return pending(backend().alltoall_base(output, input, output_splits, input_splits, options), std::move(what));
   }
 
   /// List all-gather into caller-owned chunks (one per rank, same shape).
@@ -305,6 +311,31 @@ class Communicator {
     c10d::AllgatherOptions options;
     options.timeout = timeout_;
     return pending(backend().allgather(outputs, inputs, options), std::move(what));
+  }
+
+  /// All-gather in place, by one broadcast per rank: `chunks[j]` (the same
+  /// shape on every rank, contiguous) receives rank j's, and this rank's own
+  /// chunk already holds its data. Gloo's all-gather stages the whole output
+  /// in a buffer of its own and wants an input apart from it; this needs
+  /// neither, so a ZeRO parameter bucket or unit costs nothing beyond itself
+  /// while it gathers. The chunks travel as bytes, so every dtype does (1.13's
+  /// Gloo refuses bf16). Counted and numbered as one all-gather. Gloo only:
+  /// NCCL gathers natively into a flat buffer.
+  std::vector<Pending> all_gather_in_place_async(std::vector<at::Tensor>& chunks, const std::string& what) {
+    const profiling::Range range("accel::all_gather", what);
+    if (static_cast<int>(chunks.size()) != size_)
+      throw std::invalid_argument("accel: all_gather_in_place_async (" + what + "): " + std::to_string(chunks.size()) +
+                                  " chunks for a group of " + std::to_string(size_));
+    count(Collective::all_gather, bytes_of(chunks[rank_]) * chunks.size(), chunks[rank_], what);
+    std::vector<Pending> out;
+    for (int j = 0; j < size_; ++j) {
+      std::vector<at::Tensor> bytes{chunks[j].view({-1}).view(at::kByte)};
+      c10d::BroadcastOptions options;
+      options.rootRank = j;
+      options.timeout = timeout_;
+      out.push_back(pending(backend().broadcast(bytes, options), what + " (rank " + std::to_string(j) + "'s chunk)"));
+    }
+    return out;
   }
 
   /// Native flat reduce-scatter (sum): `input` holds size() equal shards of

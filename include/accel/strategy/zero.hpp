@@ -122,15 +122,23 @@ class ZeROEngine : public BucketedEngineBase {
     if (offload_.enabled()) offload_.parameters_to_device(shards_);
     if (!s.comm->distributed()) return;
     std::vector<comm::Pending> gathers;
+    if (s.comm->backend_kind() == comm::BackendKind::gloo) {  // into the flat parameters, nothing staged
+      for (std::size_t b = 0; b < shards_.size(); ++b) {
+        auto chunks = detail::rank_chunks(param_flat_[b], shards_[b].numel(), s.comm->size());
+        for (auto& g : s.comm->all_gather_in_place_async(chunks, "all-gather of ZeRO parameter bucket " +
+                                                                     std::to_string(b)))
+          gathers.push_back(std::move(g));
+      }
+      for (auto& g : gathers) g.wait();
+      return;
+    }
     std::vector<at::Tensor> inputs;
     for (std::size_t b = 0; b < shards_.size(); ++b) {
       if (b >= 2) {  // two buckets in flight: their buffers (and Gloo's) for two buckets, not the model
         gathers[b - 2].wait();
         inputs[b - 2] = at::Tensor();
       }
-      const std::int64_t shard = shards_[b].numel();
-      std::vector<at::Tensor> chunks;
-      for (int r = 0; r < s.comm->size(); ++r) chunks.push_back(param_flat_[b].narrow(0, r * shard, shard));
+      auto chunks = detail::rank_chunks(param_flat_[b], shards_[b].numel(), s.comm->size());
       inputs.push_back(shards_[b].detach().clone());  // the output chunks alias the shard
       gathers.push_back(s.comm->all_gather_into_async(chunks, inputs.back(),
                                                       "all-gather of ZeRO parameter bucket " + std::to_string(b)));

@@ -139,13 +139,13 @@ class ZeRO3State {
       const std::int64_t shard = shards[b].numel();
       auto input = shards[b].detach();
       const std::string what = "all-gather of ZeRO-3 unit '" + unit.name + "'";
-      if (comm->native_flat_collectives()) {  // native flat all-gather
+      auto chunks = detail::rank_chunks(target, shard, comm->size());
+      if (comm->backend_kind() == comm::BackendKind::gloo) {  // in place: no staging buffer beside the unit
+        chunks[comm->rank()].copy_(input);
+        for (auto& g : comm->all_gather_in_place_async(chunks, what)) unit.gathering.push_back(std::move(g));
+      } else {  // NCCL: natively into the flat unit
         unit.gathering.push_back(comm->all_gather_base_async(target, input, what));
-        continue;
       }
-      std::vector<at::Tensor> chunks;
-      for (int r = 0; r < comm->size(); ++r) chunks.push_back(target.narrow(0, r * shard, shard));
-      unit.gathering.push_back(comm->all_gather_into_async(chunks, input, what));
     }
   }
 
