@@ -10,8 +10,9 @@
 //   all_gather:             the full output (world x this rank's input)
 //   all_to_all:             the input
 //   send / recv:            the message
-// Gloo's reduce-scatter built from an all-to-all is counted as the
-// reduce-scatter it is; barriers count as calls with no bytes.
+// Gloo's reduce-scatter built from an all-to-all, and its in-place
+// all-gather built from broadcasts, are counted as the collective they are;
+// barriers count as calls with no bytes.
 
 #include <array>
 #include <atomic>

@@ -13,15 +13,16 @@
 // this is exact for elementwise optimizers (SGD, Adam, AdamW, RMSprop, ...).
 //   stage 1: each bucket's gradients are all-reduced (as DDP), the shard is a view;
 //   stage 2: each bucket is reduce-scattered as soon as it is ready (Gloo:
-//            all-to-all of equal chunks + a local sum, (n-1)/n of the bytes;
-//            NCCL: native reduce-scatter); the full gradient buffers are
-//            released after the step, so only the shard stays between steps.
+//            this rank's chunk to its shard, an all-to-all of the others'
+//            chunks among the other ranks + a local sum, (n-1)/n of the
+//            bytes and of a bucket received; NCCL: native reduce-scatter);
+//            the full gradient buffers are released after the step, so only
+//            the shard stays between steps.
 // After the optimizer step every bucket's shards are all-gathered back into
-// the flat parameter buffers, so every rank again holds the whole model.
+// the flat parameter buffers, so every rank again holds the whole model (Gloo:
+// in place, one broadcast per rank; NCCL: its all-gather, two buckets at a time).
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>

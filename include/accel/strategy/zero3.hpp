@@ -30,8 +30,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
