@@ -183,8 +183,9 @@ class Communicator {
   /// algorithms by it (Gloo lacks reduce-scatter and flat all-gather).
   BackendKind backend_kind() const { return kind_; }
   /// Whether the backend has native flat reduce-scatter and all-gather
-  /// (NCCL; Gloo from LibTorch 2.11): engines use them instead of the ones
-  /// built from all-to-all and list all-gather.
+  /// (NCCL; Gloo from LibTorch 2.11): comm/collectives.hpp uses them instead
+  /// of its send/recv ring and list all-gather. ZeRO's engines use them on
+  /// NCCL only: Gloo's stage a whole copy (strategy/buckets.hpp).
   bool native_flat_collectives() const { return kind_ == BackendKind::nccl || compat::gloo_has_flat_collectives; }
   compat::CollectiveBackend& backend() const { return *group_->backend; }
   /// Collectives this handle has issued (tests count them: gradient
