@@ -2,6 +2,7 @@
 // real Gloo process groups. Every rank builds every rank's input from a seed,
 // so each can compute the reference result itself. Every spawn has a timeout.
 #include <ATen/ops/arange.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <accel/comm/collectives.hpp>
 
@@ -235,6 +236,50 @@ TEST_SUITE("collectives") {
         auto exact = reference_shard(make, world, rank, numel, at::kDouble);
         require(numel == 0 || rounded.allclose(exact, 1.0 / 128, 1e-6), describe("bf16 sum", numel, world, rank));
         ++seed;
+      }
+    });
+  }
+
+  TEST_CASE("ZeRO's Gloo building blocks: the in-place all-gather fills every rank's chunk, any dtype, and writes "
+            "nothing else; the all-to-all among the other ranks delivers theirs in rank order") {
+    spawn_each({2, 3}, [](int world, int rank) {
+      auto comm = connect_gloo();
+      std::uint64_t seed = 300;
+      for (std::int64_t chunk : {1, 7, 64 * 1024 + 3}) {
+        for (auto dtype : {at::kFloat, at::kDouble, at::kLong, at::kShort, at::kBool, at::kBFloat16}) {
+          auto make = [&](std::uint64_t s, int q, std::int64_t n) {
+            auto values = int_valued_input(s, q, n, at::kLong);
+            return dtype == at::kBool ? values.gt(0) : values.to(dtype);
+          };
+          std::vector<at::Tensor> expected;
+          for (int q = 0; q < world; ++q) expected.push_back(make(seed, q, chunk));
+          // The bucket, between a guard element on each side that must survive.
+          auto buffer = make(seed + 1000, rank, world * chunk + 2);
+          const auto guards = at::stack({buffer[0], buffer[-1]}).clone();
+          auto flat = buffer.narrow(0, 1, world * chunk);
+          std::vector<at::Tensor> chunks;
+          for (int q = 0; q < world; ++q) chunks.push_back(flat.narrow(0, q * chunk, chunk));
+          chunks[rank].copy_(expected[rank]);
+          for (auto& pending : comm.all_gather_in_place_async(chunks, "test in-place all-gather")) pending.wait();
+          require(flat.equal(at::cat(expected)), describe(c10::toString(dtype), chunk, world, rank));
+          require(at::stack({buffer[0], buffer[-1]}).equal(guards), describe("guards kept", chunk, world, rank));
+          ++seed;
+        }
+      }
+      for (std::int64_t chunk : {1, 1000}) {
+        // Rank q sends rank j the values 1e6 q + 1e3 j + i: who sent it, to whom, which element.
+        auto from_to = [&](int q, int j) {
+          return at::arange(chunk, at::TensorOptions().dtype(at::kDouble)) + 1e6 * q + 1e3 * j;
+        };
+        std::vector<at::Tensor> mine, theirs;
+        for (int j = 0; j < world; ++j)
+          if (j != rank) mine.push_back(from_to(rank, j)), theirs.push_back(from_to(j, rank));
+        auto others = at::cat(mine);
+        auto received = at::empty_like(others);
+        comm.all_to_all_others_async(received, others, "test all-to-all among the others",
+                                     accel::comm::Collective::all_to_all, 0)
+            .wait();
+        require(received.equal(at::cat(theirs)), describe("all-to-all among the others", chunk, world, rank));
       }
     });
   }
