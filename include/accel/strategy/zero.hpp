@@ -135,7 +135,7 @@ class ZeROEngine : public BucketedEngineBase {
     }
     std::vector<at::Tensor> inputs;
     for (std::size_t b = 0; b < shards_.size(); ++b) {
-      if (b >= 2) {  // two buckets in flight: their buffers (and Gloo's) for two buckets, not the model
+      if (b >= 2) {  // two buckets in flight: input copies and NCCL's staging for two buckets, not the model
         gathers[b - 2].wait();
         inputs[b - 2] = at::Tensor();
       }
