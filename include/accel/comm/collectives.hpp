@@ -9,16 +9,27 @@
 // empty when total < world. Ranks must agree on `total`; a mismatch is not
 // detected and ends in a CollectiveError or the communicator's timeout.
 //
-// NCCL has both collectives natively and they are used there. Gloo (LibTorch
-// 1.13) has neither, so they are built from what it has: reduce-scatter as a
-// ring of send/recv, moving (n-1)/n of the tensor per rank (all-reduce then
-// slice would move about twice that); flat all-gather from the list all-gather.
+// One implementation of each, used by these synchronous forms and by the
+// ZeRO/FSDP engines' bucketed, asynchronous ones (strategy/buckets.hpp,
+// zero.hpp, zero3.hpp), on a flat tensor of `world` equal rows:
+//   reduce_scatter_rows_async: NCCL's native _reduce_scatter_base. Gloo has
+//     none in 1.13, and 2.x's clones the whole input and all-reduces it (twice
+//     the bytes, a copy more memory, and a wait that ignores its timeout), so
+//     it is an all-to-all among the other ranks and a local sum: (n-1)/n of
+//     the tensor sent and received per rank.
+//   all_gather_rows_async: in place, this rank's row already holding its
+//     data. NCCL: native _allgather_base with that row as input (NCCL's
+//     in-place form, as FSDP2 uses it). Gloo: one broadcast per rank straight
+//     into its row, as bytes (any dtype; 1.13's Gloo refuses bf16, and its
+//     all-gather stages the whole output in a buffer of its own).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -54,20 +65,6 @@ inline void check_flat(const at::Tensor& t, const char* op, const char* name) {
                                 std::to_string(t.dim()) + " dimensions");
 }
 
-/// Whether the ring sums `dtype` as it is. bf16 partial sums would be
-/// rounded at every hop (and 1.13's Gloo refuses bf16 in its own
-/// collectives), so bf16 travels and accumulates as fp32 instead.
-inline bool ring_sums_natively(at::ScalarType dtype) { return dtype != at::kBFloat16; }
-
-/// Whether the backend's native flat all-gather takes `dtype`: NCCL any;
-/// Gloo (2.15 measured) refuses bool, int16 and uint8, so those travel as bytes
-/// in the list form.
-inline bool gathers_natively(const Communicator& comm, at::ScalarType dtype) {
-  if (comm.backend_kind() == BackendKind::nccl) return true;
-  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16 ||
-         dtype == at::kLong || dtype == at::kInt;
-}
-
 /// `input` (N) laid out as `world` rows of the longest shard (world * max),
 /// zero-padded: the layout the native equal-split collectives require.
 inline at::Tensor pad_to_rows(const at::Tensor& input, int world) {
@@ -88,83 +85,96 @@ inline at::Tensor unpad_rows(const at::Tensor& rows, std::int64_t total, int wor
   return at::cat(pieces);
 }
 
-// Ring reduce-scatter from send/recv. At step k (0 <= k < n-1) rank r sends
-// the partial sum of shard (r-k-1) mod n to rank r+1 and receives the partial
-// sum of shard (r-k-2) mod n from rank r-1, adding its own contribution. Each
-// shard thus travels once round the ring, collecting every rank's part, and
-// after n-1 steps rank r holds the full sum of shard r. Rank r sends every
-// shard but its own: N - size(r) elements, (n-1)/n of the tensor.
-inline at::Tensor ring_reduce_scatter(Communicator& comm, const at::Tensor& input, const std::string& what) {
-  const int n = comm.size(), r = comm.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
-  const std::int64_t total = input.numel();
-  auto shard = [&](int index) { return shard_range(total, n, ((index % n) + n) % n); };
-  auto piece = [&](int index) {  // this rank's contribution to shard `index` (size(index))
-    const auto s = shard(index);
-    return input.narrow(0, s.offset, s.size);
-  };
-  // Two receive buffers, alternating: the one received at step k is sent at
-  // step k+1 while the other receives. The last step receives into a tensor
-  // of exactly this rank's shard, which becomes the result.
-  const std::int64_t longest = shard(0).size;
-  at::Tensor buffers[2];
-  if (n > 2) buffers[0] = at::empty({longest}, input.options()), buffers[1] = at::empty({longest}, input.options());
-  at::Tensor outgoing = piece(r - 1);  // step 0 sends this rank's own data (size(r-1))
-  for (int k = 0; k < n - 1; ++k) {
-    const int in_index = r - k - 2;
-    const std::int64_t in_size = shard(in_index).size;
-    at::Tensor incoming =
-        k == n - 2 ? at::empty({in_size}, input.options()) : buffers[k % 2].narrow(0, 0, in_size);  // (size(in_index))
-    const std::string step = what + " (reduce-scatter ring step " + std::to_string(k + 1) + " of " +
-                             std::to_string(n - 1) + ": ";
-    // Empty shards (total < n) are skipped on both ends alike: sizes are known to all.
-    Pending received, sent;
-    if (in_size > 0)
-      received = comm.recv_async(incoming, prev, k, step + "receive from rank " + std::to_string(prev) + ")");
-    if (outgoing.numel() > 0)
-      sent = comm.send_async(outgoing, next, k, step + "send to rank " + std::to_string(next) + ")");
-    received.wait();
-    sent.wait();
-    incoming.add_(piece(in_index));
-    outgoing = incoming;
-  }
-  return outgoing;  // (size(r)): after the last step, `incoming` of shard r
+}  // namespace detail
+
+/// The `world` consecutive (row,) slices of a flat tensor of world x row
+/// elements, rank r's the r-th: what an all-gather fills.
+inline std::vector<at::Tensor> rank_rows(const at::Tensor& flat, std::int64_t row, int world) {
+  std::vector<at::Tensor> rows;
+  for (int r = 0; r < world; ++r) rows.push_back(flat.narrow(0, r * row, row));
+  return rows;
 }
 
-}  // namespace detail
+/// Starts the reduce-scatter (sum) of `rows` (1-D, contiguous, size() equal
+/// rows of `shard`'s length): once the result is waited on and
+/// finish_reduce_scatter_rows has run, `shard` holds this rank's row of the
+/// sum over ranks. `rows` is scratch on Gloo (this rank's row is copied to
+/// `shard` and the others' move down over it) and `received` is filled there
+/// with the other ranks' rows for this rank, (n-1) x shard; NCCL leaves both
+/// alone. Counted (and in debug mode checked) as one reduce-scatter of
+/// `counted`, the caller's whole input. One rank: a copy.
+inline Pending reduce_scatter_rows_async(Communicator& comm, at::Tensor& shard, at::Tensor& rows,
+                                         at::Tensor& received, const at::Tensor& counted, std::string what) {
+  if (!comm.distributed()) {
+    shard.copy_(rows);
+    return {};
+  }
+  if (comm.backend_kind() == BackendKind::nccl) return comm.reduce_scatter_base_async(shard, rows, std::move(what));
+  const int n = comm.size(), r = comm.rank();
+  const std::int64_t len = shard.numel();
+  c10::NoGradGuard no_grad;
+  shard.copy_(rows.narrow(0, r * len, len));
+  for (int j = r + 1; j < n; ++j) rows.narrow(0, (j - 1) * len, len).copy_(rows.narrow(0, j * len, len));
+  at::Tensor others = rows.narrow(0, 0, (n - 1) * len);  // (n-1) x (len,): the rows for ranks != r, in rank order
+  received = at::empty_like(others);
+  return comm.all_to_all_others_async(received, others, std::move(what), Collective::reduce_scatter, counted);
+}
+
+/// Completes reduce_scatter_rows_async after its wait: adds the other ranks'
+/// rows (Gloo) into `shard` and drops them.
+inline void finish_reduce_scatter_rows(const Communicator& comm, at::Tensor& shard, at::Tensor& received) {
+  if (!received.defined()) return;
+  c10::NoGradGuard no_grad;
+  // (n-1, shard): row k is the next other rank's contribution to this rank's shard
+  for (const auto& row : received.view({comm.size() - 1, -1}).unbind(0)) shard.add_(row);
+  received = at::Tensor();
+}
+
+/// Starts the all-gather of `rows` (1-D, contiguous, size() equal rows) in
+/// place: this rank's row already holds its data; once every returned
+/// Pending is waited on, row j holds rank j's. Nothing is staged beside
+/// `rows`; any dtype. One rank: nothing to do.
+inline std::vector<Pending> all_gather_rows_async(Communicator& comm, at::Tensor& rows, const std::string& what) {
+  if (!comm.distributed()) return {};
+  const int n = comm.size();
+  const std::int64_t len = rows.numel() / n;
+  if (comm.backend_kind() == BackendKind::nccl) {
+    at::Tensor mine = rows.narrow(0, comm.rank() * len, len);
+    std::vector<Pending> out;
+    out.push_back(comm.all_gather_base_async(rows, mine, what));
+    return out;
+  }
+  auto chunks = rank_rows(rows, len, n);
+  return comm.all_gather_in_place_async(chunks, what);
+}
 
 /// This rank's shard (shard_range(N, world, rank).size elements) of the
 /// element-wise sum over ranks of `input` (1-D, N elements, the same N on
-/// every rank). Returns a new tensor of input's dtype; synchronous.
+/// every rank). Returns a new tensor of input's dtype; synchronous; `input`
+/// is left as it was.
 ///
-/// Gloo: a send/recv ring, (n-1)/n of the tensor sent per rank; partial sums
-/// are added in a different order for each shard, so floating-point results
-/// may differ from a plain sum in the last bits. bf16 travels and
+/// reduce_scatter_rows_async on `input` padded to equal rows. On Gloo each
+/// rank adds the others' rows to its own in rank order, so floating-point
+/// results may differ from a plain sum in the last bits; bf16 travels and
 /// accumulates as fp32 and is rounded once at the end (so it moves fp32's
-/// bytes; 1.13's Gloo refuses bf16 in its own collectives anyway). NCCL: native _reduce_scatter_base (padded to equal shards when N is
-/// not divisible by the world size). Each send/recv wait, and each native
-/// collective, is bounded by the communicator's timeout; failures are
-/// CollectiveErrors naming `what` and the rank.
+/// bytes; 1.13's Gloo refuses bf16 in its own collectives anyway). Bounded
+/// by the communicator's timeout; failures are CollectiveErrors naming
+/// `what` and the rank.
 inline at::Tensor reduce_scatter(Communicator& comm, const at::Tensor& input, const std::string& what) {
   detail::check_flat(input, "reduce_scatter", "input");
   if (!comm.distributed()) return input.clone();
   const int n = comm.size(), r = comm.rank();
-  const std::int64_t total = input.numel();
-  // On Gloo bf16 is summed in fp32 (one rounding), natively or in the ring.
-  const bool widen = comm.backend_kind() == BackendKind::gloo && !detail::ring_sums_natively(input.scalar_type());
+  const std::int64_t total = input.numel(), longest = shard_range(total, n, 0).size;
+  const bool gloo = comm.backend_kind() == BackendKind::gloo;
+  const bool widen = gloo && input.scalar_type() == at::kBFloat16;  // summed in fp32, rounded once
   at::Tensor work = widen ? input.to(at::kFloat).contiguous() : input.contiguous();  // (N)
-  at::Tensor mine;
-  if (comm.native_flat_collectives()) {
-    // Native equal-split reduce-scatter.
-    const bool even = total % n == 0;
-    at::Tensor rows = even ? work : detail::pad_to_rows(work, n);  // (n * longest)
-    at::Tensor out = at::empty({rows.numel() / n}, work.options());  // (longest)
-    at::Tensor flat_rows = rows.reshape({rows.numel()});
-    comm.reduce_scatter_base_async(out, flat_rows, what + " (reduce-scatter)").wait();
-    mine = even ? out : out.narrow(0, 0, shard_range(total, n, r).size).clone();  // (size(r))
-  } else {
-    comm.begin_composite(Collective::reduce_scatter, work, what + " (reduce-scatter)");
-    mine = detail::ring_reduce_scatter(comm, work, what);  // (size(r))
-  }
+  at::Tensor rows;  // (n * longest): Gloo writes over it, so never the caller's input
+  if (total % n != 0) rows = detail::pad_to_rows(work, n).reshape({n * longest});
+  else rows = gloo && work.is_same(input) ? work.clone() : work;
+  at::Tensor out = at::empty({longest}, work.options()), received;  // (longest)
+  reduce_scatter_rows_async(comm, out, rows, received, work, what + " (reduce-scatter)").wait();
+  finish_reduce_scatter_rows(comm, out, received);
+  at::Tensor mine = total % n == 0 ? out : out.narrow(0, 0, shard_range(total, n, r).size).clone();  // (size(r))
   return widen ? mine.to(input.scalar_type()) : mine;
 }
 
@@ -187,14 +197,10 @@ inline std::vector<at::Tensor> all_gather_ragged(Communicator& comm, const at::T
 
 /// The full flat tensor (`total_numel` elements, in rank order) from every
 /// rank's `shard` (1-D, shard_range(total_numel, world, rank).size elements),
-/// on every rank. Returns a new tensor of the shard's dtype; synchronous.
-///
-/// Gloo: the list all-gather, each shard zero-padded to the longest one and
-/// the padding dropped afterwards; shards travel as raw bytes, so any dtype
-/// (bf16 included) arrives bit-exact and at its own width. NCCL and Gloo from
-/// LibTorch 2.11 (Communicator::native_flat_collectives): native
-/// _allgather_base. Bounded by the communicator's timeout; failures are
-/// CollectiveErrors naming `what` and the rank.
+/// on every rank. Returns a new tensor of the shard's dtype (any, bit-exact);
+/// synchronous. all_gather_rows_async into rows padded to the longest shard,
+/// the padding dropped afterwards. Bounded by the communicator's timeout;
+/// failures are CollectiveErrors naming `what` and the rank.
 inline at::Tensor all_gather_flat(Communicator& comm, const at::Tensor& shard, std::int64_t total_numel,
                                   const std::string& what) {
   detail::check_flat(shard, "all_gather_flat", "shard");
@@ -208,25 +214,10 @@ inline at::Tensor all_gather_flat(Communicator& comm, const at::Tensor& shard, s
   if (!comm.distributed()) return shard.clone();
   const std::int64_t longest = shard_range(total_numel, n, 0).size;
   if (longest == 0) return at::empty({0}, shard.options());  // nothing anywhere (total 0)
-  // Every rank contributes `longest` elements: the native op needs equal
-  // sizes, and so does Gloo's list form.
-  at::Tensor padded = shard.contiguous();  // (longest)
-  if (mine.size < longest) {
-    padded = at::zeros({longest}, shard.options());
-    padded.narrow(0, 0, mine.size).copy_(shard);
-  }
-  if (comm.native_flat_collectives() && detail::gathers_natively(comm, shard.scalar_type())) {
-    at::Tensor rows = at::empty({n * longest}, shard.options());  // (n * longest)
-    comm.all_gather_base_async(rows, padded, what + " (flat all-gather)").wait();
-    return detail::unpad_rows(rows.view({n, longest}), total_numel, n);  // (total)
-  }
-  // Gathering only copies, so every dtype travels as its bytes: 1.13's Gloo
-  // refuses bf16, bool, int16 and more in all-gather.
-  at::Tensor wire = padded.view(at::kByte);  // (longest * element_size)
-  std::vector<at::Tensor> pieces = comm.all_gather(wire, what + " (flat all-gather)");  // n x (longest * element_size)
-  for (int q = 0; q < n; ++q)
-    pieces[q] = pieces[q].view(shard.scalar_type()).narrow(0, 0, shard_range(total_numel, n, q).size);  // (size(q))
-  return at::cat(pieces);  // (total)
+  at::Tensor rows = at::zeros({n * longest}, shard.options());  // (n * longest)
+  rows.narrow(0, r * longest, mine.size).copy_(shard);
+  for (auto& pending : all_gather_rows_async(comm, rows, what + " (flat all-gather)")) pending.wait();
+  return detail::unpad_rows(rows.view({n, longest}), total_numel, n);  // (total)
 }
 
 }  // namespace accel::comm

@@ -179,14 +179,9 @@ class Communicator {
   bool debug() const { return debug_; }
   bool distributed() const { return size_ > 1; }
   std::chrono::milliseconds timeout() const { return timeout_; }
-  /// Which backend the collectives run on: callers pick native or built
-  /// algorithms by it (Gloo lacks reduce-scatter and flat all-gather).
+  /// Which backend the collectives run on: comm/collectives.hpp picks NCCL's
+  /// native flat collectives or Gloo's built ones by it.
   BackendKind backend_kind() const { return kind_; }
-  /// Whether the backend has native flat reduce-scatter and all-gather
-  /// (NCCL; Gloo from LibTorch 2.11): comm/collectives.hpp uses them instead
-  /// of its send/recv ring and list all-gather. ZeRO's engines use them on
-  /// NCCL only: Gloo's stage a whole copy (strategy/buckets.hpp).
-  bool native_flat_collectives() const { return kind_ == BackendKind::nccl || compat::gloo_has_flat_collectives; }
   compat::CollectiveBackend& backend() const { return *group_->backend; }
   /// Collectives this handle has issued (tests count them: gradient
   /// accumulation must issue none on its non-final micro-steps).
@@ -272,7 +267,6 @@ class Communicator {
     count(Collective::send, bytes_of(tensor), tensor, what);
     std::vector<at::Tensor> tensors{tensor};
     auto work = backend().send(tensors, dst, tag);
-    p2p_bytes_sent_ += bytes_of(tensor);
     return pending(std::move(work), std::move(what), timeout_, true);
   }
 
@@ -284,34 +278,27 @@ class Communicator {
     return pending(backend().recv(tensors, src, tag), std::move(what), timeout_, true);
   }
 
-  /// All-to-all among the other ranks: `input` holds size() - 1 equal
-  /// chunks, one for each other rank in rank order; `output` receives theirs,
-  /// in rank order. Gloo's building block for reduce-scatter
-  /// (strategy/buckets.hpp), where this rank's own chunk needs neither the
-  /// wire nor a receive slot; counted as `counted_as` of `counted_bytes`, the
-  /// whole reduce-scatter's input, as NCCL's native one is.
+  /// All-to-all among the other ranks: `input` (1-D, contiguous) holds
+  /// size() - 1 equal chunks, one for each other rank in rank order; `output`
+  /// (the same) receives theirs, in rank order. Gloo's building block for
+  /// reduce-scatter (comm/collectives.hpp), where this rank's own chunk needs
+  /// neither the wire nor a receive slot; counted as `counted_as` of
+  /// `counted` (the whole reduce-scatter's input, as NCCL's native one is
+  /// counted), which debug mode also checks across ranks. Chunks travel as
+  /// bytes, so any dtype does (1.13's Gloo refuses bf16, bool and int16).
   Pending all_to_all_others_async(at::Tensor& output, at::Tensor& input, std::string what, Collective counted_as,
-                                  std::uint64_t counted_bytes) {
+                                  const at::Tensor& counted) {
     const profiling::Range range("accel::all_to_all", what);
-    count(counted_as, counted_bytes, input, what);
-    const std::int64_t chunk = input.numel() / std::max(1, size_ - 1);
+    count(counted_as, bytes_of(counted), counted, what);
+    const std::int64_t chunk = input.numel() / std::max(1, size_ - 1) * input.element_size();  // bytes
     // Two vectors: LibTorch 1.13's Gloo work moves from each argument.
     std::vector<std::int64_t> output_splits(size_, chunk), input_splits(size_, chunk);
     output_splits[rank_] = input_splits[rank_] = 0;
+    at::Tensor output_bytes = output.view(at::kByte), input_bytes = input.view(at::kByte);
     c10d::AllToAllOptions options;
     options.timeout = timeout_;
-    return pending(backend().alltoall_base(output, input, output_splits, input_splits, options), std::move(what));
-  }
-
-  /// List all-gather into caller-owned chunks (one per rank, same shape).
-  Pending all_gather_into_async(std::vector<at::Tensor>& chunks, at::Tensor& input, std::string what) {
-    const profiling::Range range("accel::all_gather", what);
-    count(Collective::all_gather, bytes_of(input) * chunks.size(), input, what);
-    std::vector<std::vector<at::Tensor>> outputs{chunks};
-    std::vector<at::Tensor> inputs{input};
-    c10d::AllgatherOptions options;
-    options.timeout = timeout_;
-    return pending(backend().allgather(outputs, inputs, options), std::move(what));
+    return pending(backend().alltoall_base(output_bytes, input_bytes, output_splits, input_splits, options),
+                   std::move(what), timeout_);
   }
 
   /// All-gather in place, by one broadcast per rank: `chunks[j]` (the same
@@ -320,8 +307,8 @@ class Communicator {
   /// in a buffer of its own and wants an input apart from it; this needs
   /// neither, so a ZeRO parameter bucket or unit costs nothing beyond itself
   /// while it gathers. The chunks travel as bytes, so every dtype does (1.13's
-  /// Gloo refuses bf16). Counted and numbered as one all-gather. Gloo only:
-  /// NCCL gathers natively into a flat buffer.
+  /// Gloo refuses bf16). Counted and numbered as one all-gather. Gloo's
+  /// building block for comm::all_gather_rows_async; NCCL gathers natively.
   std::vector<Pending> all_gather_in_place_async(std::vector<at::Tensor>& chunks, const std::string& what) {
     const profiling::Range range("accel::all_gather", what);
     if (static_cast<int>(chunks.size()) != size_)
@@ -334,7 +321,8 @@ class Communicator {
       c10d::BroadcastOptions options;
       options.rootRank = j;
       options.timeout = timeout_;
-      out.push_back(pending(backend().broadcast(bytes, options), what + " (rank " + std::to_string(j) + "'s chunk)"));
+      out.push_back(
+          pending(backend().broadcast(bytes, options), what + " (rank " + std::to_string(j) + "'s chunk)", timeout_));
     }
     return out;
   }
@@ -361,18 +349,6 @@ class Communicator {
     options.timeout = timeout_;
     return pending(backend()._allgather_base(output, input, options), std::move(what));
   }
-
-  /// A collective built from point-to-point parts (Gloo's ring
-  /// reduce-scatter, comm/collectives.hpp) enters here first: it is numbered
-  /// in the group and checked in debug mode like a native one; its sends and
-  /// receives count their own bytes.
-  void begin_composite(Collective kind, const at::Tensor& tensor, const std::string& what) {
-    if (distributed()) number(kind, tensor, what);
-  }
-
-  /// Bytes this communicator has handed to `send_async` so far: lets tests
-  /// check what an algorithm built from send/recv really puts on the wire.
-  std::uint64_t p2p_bytes_sent() const { return p2p_bytes_sent_; }
 
   void barrier(const std::string& what = "barrier (wait_for_everyone)") {
     const profiling::Range range("accel::barrier", what);
@@ -472,7 +448,7 @@ class Communicator {
   // under NCCL those travel through the current GPU and back.
   bool staged(const at::Tensor& tensor) const { return kind_ == BackendKind::nccl && tensor.is_cpu(); }
   // Gloo reduces bf16 in fp32, rounding once instead of at every hop of its
-  // ring (as comm/collectives.hpp's reduce-scatter does); 1.13's Gloo also
+  // ring (as comm/collectives.hpp's reduce-scatter sums it); 1.13's Gloo also
   // refuses bf16 outright ("Invalid scalar type"). Tensor-parallel layers
   // under BF16 all-reduce bf16 activations.
   bool widened(const at::Tensor& tensor) const {
@@ -633,7 +609,6 @@ class Communicator {
   int size_ = 1;
   std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
   BackendKind kind_ = BackendKind::gloo;
-  std::uint64_t p2p_bytes_sent_ = 0;
   std::shared_ptr<Group> group_;
   std::uint64_t issued_ = 0;
   std::uint64_t sequence_ = 0;  // this handle's latest collective, numbered in its group

@@ -39,10 +39,10 @@ using CollectiveBackend = c10d::ProcessGroup;
 #endif
 using Work = c10d::Work;
 
-/// Whether Gloo runs the flat collectives `_reduce_scatter_base` and
-/// `_allgather_base` (and bf16): not in 1.13; yes in 2.11 and 2.15, the
-/// versions bench/gloo_capabilities.py was run on (README, "LibTorch 2.x").
-inline constexpr bool gloo_has_flat_collectives = ACCEL_TORCH_AT_LEAST(2, 11);
+/// Whether Gloo reduces bf16 (all-reduce, all-to-all): not in 1.13 ("Invalid
+/// scalar type"); yes in 2.11 and 2.15, the versions
+/// bench/gloo_capabilities.py was run on (README, "LibTorch 2.x").
+inline constexpr bool gloo_reduces_bf16 = ACCEL_TORCH_AT_LEAST(2, 11);
 
 /// Whether Gloo bounds each operation by the timeout in its options: 2.x's
 /// AsyncWork carries one (checked on 2.11 and 2.15); 1.13's bounds every

@@ -25,7 +25,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -43,6 +42,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
 #include "accel/strategy/bucket_plan.hpp"
@@ -192,14 +192,6 @@ class GradientBuckets {
     }
   }
 };
-
-/// The `world` consecutive (shard,) slices of a flat bucket, rank r's r-th:
-/// what an all-gather fills (NOTE [ZeRO shards]).
-inline std::vector<at::Tensor> rank_chunks(const at::Tensor& flat, std::int64_t shard, int world) {
-  std::vector<at::Tensor> chunks;
-  for (int r = 0; r < world; ++r) chunks.push_back(flat.narrow(0, r * shard, shard));
-  return chunks;
-}
 
 // The root's parameters and buffers on every rank of `group`, one broadcast
 // per dtype and device (a model's state starts equal everywhere).
@@ -381,38 +373,17 @@ class BucketedEngineBase : public EngineDefaults {
   }
 
   /// Starts the reduce-scatter of bucket `b`'s (already averaged) gradients
-  /// into `shard`: NCCL natively. Gloo has none of its own (1.13), or one that
-  /// all-reduces a copy of the whole input (2.x: twice the bytes, a bucket
-  /// more memory), so accel builds it: this rank's chunk goes straight into
-  /// `shard`, the others' move down over it in the bucket (which is dropped
-  /// after the step), and an all-to-all among the other ranks sends them and
-  /// receives theirs into `received`, (n-1)/n of the bucket, summed by
-  /// finish_reduce_scatter. One rank: a copy.
+  /// into `shard` (comm/collectives.hpp: NCCL natively; Gloo by an all-to-all
+  /// among the other ranks into `received`, (n-1)/n of the bucket, with the
+  /// bucket as scratch: it is dropped after the step); finish_reduce_scatter
+  /// completes it after the wait.
   comm::Pending reduce_scatter_bucket(std::size_t b, at::Tensor& shard, at::Tensor& received, std::string what) {
-    auto& s = *state_;
-    auto& grad = s.buckets[b].grad;
-    if (!s.comm->distributed()) {
-      shard.copy_(grad);
-      return {};
-    }
-    if (s.comm->backend_kind() == comm::BackendKind::nccl)
-      return s.comm->reduce_scatter_base_async(shard, grad, std::move(what));
-    const int n = s.comm->size(), r = s.comm->rank();
-    const std::int64_t len = shard.numel();
-    c10::NoGradGuard no_grad;
-    shard.copy_(grad.narrow(0, r * len, len));
-    for (int j = r + 1; j < n; ++j) grad.narrow(0, (j - 1) * len, len).copy_(grad.narrow(0, j * len, len));
-    at::Tensor others = grad.narrow(0, 0, (n - 1) * len);  // (n-1) x (len,): the chunks for ranks != r, in rank order
-    received = at::empty_like(others);
-    const auto bytes = static_cast<std::uint64_t>(grad.numel()) * grad.element_size();
-    return s.comm->all_to_all_others_async(received, others, std::move(what), comm::Collective::reduce_scatter, bytes);
+    auto& grad = state_->buckets[b].grad;
+    return comm::reduce_scatter_rows_async(*state_->comm, shard, grad, received, grad, std::move(what));
   }
 
   void finish_reduce_scatter(at::Tensor& shard, at::Tensor& received) {
-    if (!received.defined()) return;
-    // (n-1, shard): row k is the next other rank's contribution to this rank's shard
-    for (const auto& row : received.view({state_->comm->size() - 1, -1}).unbind(0)) shard.add_(row);
-    received = at::Tensor();
+    comm::finish_reduce_scatter_rows(*state_->comm, shard, received);
   }
 
   /// Drops the full-size gradient buffers (and the parameters' views of

@@ -12,15 +12,15 @@
 // gradient shard), so optimizer state exists for 1/world of the elements;
 // this is exact for elementwise optimizers (SGD, Adam, AdamW, RMSprop, ...).
 //   stage 1: each bucket's gradients are all-reduced (as DDP), the shard is a view;
-//   stage 2: each bucket is reduce-scattered as soon as it is ready (Gloo:
-//            this rank's chunk to its shard, an all-to-all of the others'
-//            chunks among the other ranks + a local sum, (n-1)/n of the
-//            bytes and of a bucket received; NCCL: native reduce-scatter);
+//   stage 2: each bucket is reduce-scattered as soon as it is ready
+//            (comm::reduce_scatter_rows_async: NCCL's native one; Gloo's
+//            all-to-all among the other ranks + a local sum, (n-1)/n of the
+//            bytes and of a bucket received);
 //            the full gradient buffers are released after the step, so only
 //            the shard stays between steps.
 // After the optimizer step every bucket's shards are all-gathered back into
-// the flat parameter buffers, so every rank again holds the whole model (Gloo:
-// in place, one broadcast per rank; NCCL: its all-gather, two buckets at a time).
+// the flat parameter buffers, so every rank again holds the whole model, in
+// place (comm::all_gather_rows_async: nothing staged beside the buckets).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/core/errors.hpp"
 #include "accel/core/policies.hpp"
@@ -122,28 +123,13 @@ class ZeROEngine : public BucketedEngineBase {
     auto& s = *state_;
     if (offload_.enabled()) offload_.parameters_to_device(shards_);
     if (!s.comm->distributed()) return;
+    // In place, every bucket at once: each shard is its own row of the flat
+    // parameters, and nothing is staged beside them (comm/collectives.hpp).
     std::vector<comm::Pending> gathers;
-    if (s.comm->backend_kind() == comm::BackendKind::gloo) {  // into the flat parameters, nothing staged
-      for (std::size_t b = 0; b < shards_.size(); ++b) {
-        auto chunks = detail::rank_chunks(param_flat_[b], shards_[b].numel(), s.comm->size());
-        for (auto& g : s.comm->all_gather_in_place_async(chunks, "all-gather of ZeRO parameter bucket " +
-                                                                     std::to_string(b)))
-          gathers.push_back(std::move(g));
-      }
-      for (auto& g : gathers) g.wait();
-      return;
-    }
-    std::vector<at::Tensor> inputs;
-    for (std::size_t b = 0; b < shards_.size(); ++b) {
-      if (b >= 2) {  // two buckets in flight: input copies and NCCL's staging for two buckets, not the model
-        gathers[b - 2].wait();
-        inputs[b - 2] = at::Tensor();
-      }
-      auto chunks = detail::rank_chunks(param_flat_[b], shards_[b].numel(), s.comm->size());
-      inputs.push_back(shards_[b].detach().clone());  // the output chunks alias the shard
-      gathers.push_back(s.comm->all_gather_into_async(chunks, inputs.back(),
-                                                      "all-gather of ZeRO parameter bucket " + std::to_string(b)));
-    }
+    for (std::size_t b = 0; b < shards_.size(); ++b)
+      for (auto& g : comm::all_gather_rows_async(*s.comm, param_flat_[b],
+                                                 "all-gather of ZeRO parameter bucket " + std::to_string(b)))
+        gathers.push_back(std::move(g));
     for (auto& g : gathers) g.wait();
   }
 

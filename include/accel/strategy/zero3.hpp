@@ -50,6 +50,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/core/policies.hpp"
 #include "accel/strategy/buckets.hpp"
@@ -134,16 +135,12 @@ class ZeRO3State {
         target.copy_(shards[b].detach());
         continue;
       }
+      // In place: this rank's row of the unit first, then the others'
+      // gathered into theirs, nothing staged beside the unit.
       const std::int64_t shard = shards[b].numel();
-      auto input = shards[b].detach();
-      const std::string what = "all-gather of ZeRO-3 unit '" + unit.name + "'";
-      auto chunks = detail::rank_chunks(target, shard, comm->size());
-      if (comm->backend_kind() == comm::BackendKind::gloo) {  // in place: no staging buffer beside the unit
-        chunks[comm->rank()].copy_(input);
-        for (auto& g : comm->all_gather_in_place_async(chunks, what)) unit.gathering.push_back(std::move(g));
-      } else {  // NCCL: natively into the flat unit
-        unit.gathering.push_back(comm->all_gather_base_async(target, input, what));
-      }
+      target.narrow(0, comm->rank() * shard, shard).copy_(shards[b].detach());
+      for (auto& g : comm::all_gather_rows_async(*comm, target, "all-gather of ZeRO-3 unit '" + unit.name + "'"))
+        unit.gathering.push_back(std::move(g));
     }
   }
 
