@@ -2,9 +2,13 @@
 # What accel costs a user's translation unit at compile time: the same small
 # training loop compiled (1) with only the LibTorch headers it needs, (2) with
 # accel's Trainer<DDP> including only <accel/trainer.hpp> and the DDP engine,
-# (3) through the umbrella <accel/accel.hpp>. Rounds interleave the three so
-# that machine noise hits them alike; the medians and the ratios to (1) are
-# printed. Uses the build's own compile flags, without ccache.
+# (3) through the umbrella <accel/accel.hpp>, (4) as (2) with
+# ACCEL_SEPARATE_COMPILATION (NOTE [Compiled once] in core/compiled_once.hpp:
+# the policy-independent code is compiled once, in the program's one
+# <accel/compiled_once.hpp> TU, whose own time is printed apart). Rounds
+# interleave the units so that machine noise hits them alike; the medians and
+# the ratios to (1) are printed. Uses the build's own compile flags, without
+# ccache.
 #   bash bench/compile_time.sh [build-dir] [rounds]      (default: build 3)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -31,7 +35,8 @@ for w in words[1:]:
     flags.append(w)
 compiler = words[0]
 units = {"plain_loop.cpp": ("plain_loop.cpp", []), "accel_loop.cpp": ("accel_loop.cpp", []),
-         "accel_loop.cpp umbrella": ("accel_loop.cpp", ["-DACCEL_UMBRELLA"])}
+         "accel_loop.cpp umbrella": ("accel_loop.cpp", ["-DACCEL_UMBRELLA"]),
+         "accel_loop.cpp separate": ("accel_loop.cpp", ["-DACCEL_SEPARATE_COMPILATION"])}
 times = {u: [] for u in units}
 for r in range(rounds):
     for u, (source, defines) in units.items():
@@ -43,4 +48,9 @@ base = statistics.median(times["plain_loop.cpp"])
 for u in units:
     m = statistics.median(times[u])
     print(f"{u:26s} median {m:6.1f} s over {rounds} rounds   ratio to plain_loop {m / base:4.2f}")
+# Once per program, not per translation unit.
+start = time.monotonic()
+subprocess.run([compiler] + flags + ["-DACCEL_SEPARATE_COMPILATION", "-x", "c++", "-c", "-", "-o", "/dev/null"],
+               input=b"#include <accel/compiled_once.hpp>\n", cwd=entry["directory"], check=True)
+print(f"{'compiled_once (once)':26s}        {time.monotonic() - start:6.1f} s")
 PY

@@ -23,6 +23,8 @@
 #include <optional>
 #include <string>
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::comm {
 
 namespace detail {
@@ -38,7 +40,20 @@ inline std::optional<std::string> numeric_host(const sockaddr* address) {
 
 /// This machine's address on the route to `host:port`; nothing when `host`
 /// does not resolve or there is no route.
-inline std::optional<std::string> local_address_towards(const std::string& host, int port) {
+std::optional<std::string> local_address_towards(const std::string& host, int port);
+
+/// The first IPv4 (else IPv6) address of network interface `name`.
+std::optional<std::string> interface_address(const std::string& name);
+
+/// 127.0.0.0/8 or ::1.
+inline bool is_loopback_address(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address == "::1";
+}
+
+// The functions compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE std::optional<std::string> local_address_towards(const std::string& host, int port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_DGRAM;
@@ -59,8 +74,7 @@ inline std::optional<std::string> local_address_towards(const std::string& host,
   return address;
 }
 
-/// The first IPv4 (else IPv6) address of network interface `name`.
-inline std::optional<std::string> interface_address(const std::string& name) {
+ACCEL_COMPILED_ONCE std::optional<std::string> interface_address(const std::string& name) {
   ifaddrs* all = nullptr;
   if (::getifaddrs(&all) != 0) return std::nullopt;
   std::optional<std::string> v4, v6;
@@ -73,9 +87,6 @@ inline std::optional<std::string> interface_address(const std::string& name) {
   return v4 ? v4 : v6;
 }
 
-/// 127.0.0.0/8 or ::1.
-inline bool is_loopback_address(const std::string& address) {
-  return address.rfind("127.", 0) == 0 || address == "::1";
-}
+#endif
 
 }  // namespace accel::comm

@@ -12,6 +12,8 @@
 #include <string>
 #include <string_view>
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::comm {
 
 /// Where this process sits in the job.
@@ -83,7 +85,54 @@ inline constexpr LauncherNames openmpi_names{"openmpi", "OMPI_COMM_WORLD_RANK", 
 inline constexpr LauncherNames slurm_names{"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
                                            "SLURM_NTASKS_PER_NODE"};
 
-inline std::optional<WorldInfo> read_launcher(const VariableReader& env, const LauncherNames& names) {
+std::optional<WorldInfo> read_launcher(const VariableReader& env, const LauncherNames& names);
+
+void check_agrees(const WorldInfo& chosen, const WorldInfo& other, const LauncherNames& chosen_names,
+                         const LauncherNames& other_names);
+
+}  // namespace detail
+
+/// The job layout from the environment. torchrun's variables win when present
+/// (torchrun inside an salloc shell is common); a second launcher's variables
+/// that disagree with them are an error rather than a silent choice.
+WorldInfo world_from_environment(const EnvLookup& lookup = process_environment);
+
+// The functions compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE WorldInfo world_from_environment(const EnvLookup& lookup) {
+  const detail::VariableReader env{lookup};
+  const detail::LauncherNames* order[] = {&detail::torchrun_names, &detail::openmpi_names, &detail::slurm_names};
+  std::optional<WorldInfo> chosen;
+  const detail::LauncherNames* chosen_names = nullptr;
+  for (const auto* names : order) {
+    auto info = detail::read_launcher(env, *names);
+    if (!info) continue;
+    if (!chosen) {
+      chosen = std::move(info);
+      chosen_names = names;
+    } else if (info->world_size > 1 || chosen->world_size > 1) {
+      // A one-task SLURM allocation around a multi-process torchrun is normal; anything else must agree.
+      if (!(names == &detail::slurm_names && info->world_size == 1)) detail::check_agrees(*chosen, *info, *chosen_names, *names);
+    }
+  }
+  if (!chosen) return WorldInfo{};
+  if (auto addr = lookup("MASTER_ADDR")) chosen->master_addr = *addr;
+  else if (chosen->world_size > 1)
+    throw EnvironmentError("accel: MASTER_ADDR is not set, but WORLD_SIZE=" + std::to_string(chosen->world_size) +
+                           " needs the address of rank 0 (" + chosen->launcher +
+                           " job: export MASTER_ADDR=<host of rank 0>)");
+  if (auto port = env.optional_int("MASTER_PORT", 1)) {
+    if (*port > 65535) throw EnvironmentError("accel: MASTER_PORT=" + std::to_string(*port) + " is not a TCP port");
+    chosen->master_port = *port;
+  } else if (chosen->world_size > 1 && chosen->launcher == "torchrun") {
+    throw EnvironmentError("accel: MASTER_PORT is not set, but WORLD_SIZE=" + std::to_string(chosen->world_size) +
+                           " needs the port of rank 0's store");
+  }
+  return *chosen;
+}
+
+ACCEL_COMPILED_ONCE std::optional<WorldInfo> detail::read_launcher(const VariableReader& env, const LauncherNames& names) {
   auto rank = env.optional_int(names.rank);
   auto world = env.optional_int(names.world_size, 1);
   if (!rank && !world) return std::nullopt;
@@ -116,8 +165,7 @@ inline std::optional<WorldInfo> read_launcher(const VariableReader& env, const L
   return info;
 }
 
-inline void check_agrees(const WorldInfo& chosen, const WorldInfo& other, const LauncherNames& chosen_names,
-                         const LauncherNames& other_names) {
+ACCEL_COMPILED_ONCE void detail::check_agrees(const WorldInfo& chosen, const WorldInfo& other, const LauncherNames& chosen_names, const LauncherNames& other_names) {
   auto mismatch = [&](const char* a, int va, const char* b, int vb) {
     throw EnvironmentError(std::string("accel: contradictory launcher variables: ") + a + "=" + std::to_string(va) +
                            " but " + b + "=" + std::to_string(vb) + "; unset the stale ones");
@@ -127,41 +175,6 @@ inline void check_agrees(const WorldInfo& chosen, const WorldInfo& other, const 
     mismatch(chosen_names.world_size, chosen.world_size, other_names.world_size, other.world_size);
 }
 
-}  // namespace detail
-
-/// The job layout from the environment. torchrun's variables win when present
-/// (torchrun inside an salloc shell is common); a second launcher's variables
-/// that disagree with them are an error rather than a silent choice.
-inline WorldInfo world_from_environment(const EnvLookup& lookup = process_environment) {
-  const detail::VariableReader env{lookup};
-  const detail::LauncherNames* order[] = {&detail::torchrun_names, &detail::openmpi_names, &detail::slurm_names};
-  std::optional<WorldInfo> chosen;
-  const detail::LauncherNames* chosen_names = nullptr;
-  for (const auto* names : order) {
-    auto info = detail::read_launcher(env, *names);
-    if (!info) continue;
-    if (!chosen) {
-      chosen = std::move(info);
-      chosen_names = names;
-    } else if (info->world_size > 1 || chosen->world_size > 1) {
-      // A one-task SLURM allocation around a multi-process torchrun is normal; anything else must agree.
-      if (!(names == &detail::slurm_names && info->world_size == 1)) detail::check_agrees(*chosen, *info, *chosen_names, *names);
-    }
-  }
-  if (!chosen) return WorldInfo{};
-  if (auto addr = lookup("MASTER_ADDR")) chosen->master_addr = *addr;
-  else if (chosen->world_size > 1)
-    throw EnvironmentError("accel: MASTER_ADDR is not set, but WORLD_SIZE=" + std::to_string(chosen->world_size) +
-                           " needs the address of rank 0 (" + chosen->launcher +
-                           " job: export MASTER_ADDR=<host of rank 0>)");
-  if (auto port = env.optional_int("MASTER_PORT", 1)) {
-    if (*port > 65535) throw EnvironmentError("accel: MASTER_PORT=" + std::to_string(*port) + " is not a TCP port");
-    chosen->master_port = *port;
-  } else if (chosen->world_size > 1 && chosen->launcher == "torchrun") {
-    throw EnvironmentError("accel: MASTER_PORT is not set, but WORLD_SIZE=" + std::to_string(chosen->world_size) +
-                           " needs the port of rank 0's store");
-  }
-  return *chosen;
-}
+#endif
 
 }  // namespace accel::comm

@@ -33,6 +33,8 @@
 #include <string>
 #include <vector>
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::comm {
 
 inline constexpr const char* flight_recorder_dir_variable = "ACCEL_FLIGHT_RECORDER_DIR";
@@ -64,68 +66,20 @@ class FlightRecorder {
 
   /// Records a collective as issued; returns its id for finish().
   std::uint64_t issue(const std::string& group, std::uint64_t sequence, bool point_to_point, std::string_view op,
-                      const std::string& what, std::uint64_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Entry& e = ring_[next_id_ % capacity];
-    e = Entry{next_id_, group, sequence, point_to_point, std::string(op), what, bytes, now(), 0, State::issued};
-    return next_id_++;
-  }
+                      const std::string& what, std::uint64_t bytes);
 
   /// The collective `id` ended (a no-op once the ring has moved past it).
-  void finish(std::uint64_t id, bool ok) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Entry& e = ring_[id % capacity];
-    if (e.id != id) return;
-    e.ended_s = now();
-    e.state = ok ? State::completed : State::failed;
-  }
+  void finish(std::uint64_t id, bool ok);
 
   /// The entries still in the ring, oldest first.
-  std::vector<Entry> entries() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<Entry> out;
-    for (std::uint64_t id = next_id_ > capacity ? next_id_ - capacity : 1; id < next_id_; ++id)
-      out.push_back(ring_[id % capacity]);
-    return out;
-  }
+  std::vector<Entry> entries() const;
 
-  nlohmann::json to_json(int rank) const {
-    nlohmann::json j{{"rank", rank}, {"pid", static_cast<long>(::getpid())}, {"written_s", now()}};
-    j["entries"] = nlohmann::json::array();
-    for (const auto& e : entries())
-      j["entries"].push_back({{"group", e.group},
-                              {"sequence", e.sequence},
-                              {"point_to_point", e.point_to_point},
-                              {"op", e.op},
-                              {"what", e.what},
-                              {"bytes", e.bytes},
-                              {"issued_s", e.issued_s},
-                              {"ended_s", e.ended_s},
-                              {"state", state_name(e.state)}});
-    return j;
-  }
+  nlohmann::json to_json(int rank) const;
 
   /// Writes the record to <ACCEL_FLIGHT_RECORDER_DIR>/rank_<rank>.json
   /// (through a temporary name, so a reader never sees half a file); returns
   /// the path, or nothing when the variable is unset or the write failed.
-  std::optional<std::filesystem::path> dump(int rank) const noexcept {
-    try {
-      const auto dir = directory();
-      if (!dir) return std::nullopt;
-      std::filesystem::create_directories(*dir);
-      const auto path = *dir / ("rank_" + std::to_string(rank) + ".json");
-      const auto temporary = *dir / ("rank_" + std::to_string(rank) + ".json.tmp");
-      {
-        std::ofstream out(temporary);
-        out << to_json(rank).dump(1) << "\n";
-        if (!out) return std::nullopt;
-      }
-      std::filesystem::rename(temporary, path);
-      return path;
-    } catch (...) {
-      return std::nullopt;
-    }
-  }
+  std::optional<std::filesystem::path> dump(int rank) const noexcept;
 
   static std::optional<std::filesystem::path> directory() {
     const char* dir = std::getenv(flight_recorder_dir_variable);
@@ -135,16 +89,7 @@ class FlightRecorder {
 
   /// Where a record is wanted (ACCEL_FLIGHT_RECORDER_DIR set), SIGUSR1 asks
   /// for one, unless the program handles SIGUSR1 itself.
-  static void install_signal_handler() {
-    if (!directory()) return;
-    struct sigaction current {};
-    if (::sigaction(SIGUSR1, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
-    struct sigaction action {};
-    action.sa_handler = [](int) { dump_requested().store(true); };
-    ::sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESTART;
-    ::sigaction(SIGUSR1, &action, nullptr);
-  }
+  static void install_signal_handler();
 
   /// Whether a record was asked for since the last call (the heartbeat
   /// thread polls it).
@@ -175,7 +120,12 @@ class FlightRecorder {
 /// Per group, the newest collective any rank issued: the ranks waiting in it
 /// (and for how long, at the time of their record), those that failed in it,
 /// and those that never entered it, with where they are instead.
-inline std::string summarize_flight_records(const std::vector<nlohmann::json>& records,
+std::string summarize_flight_records(const std::vector<nlohmann::json>& records, const std::vector<int>& expected);
+
+// The members compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE std::string summarize_flight_records(const std::vector<nlohmann::json>& records,
                                             const std::vector<int>& expected) {
   std::ostringstream out;
   std::map<int, const nlohmann::json*> by_rank;
@@ -231,5 +181,76 @@ inline std::string summarize_flight_records(const std::vector<nlohmann::json>& r
   }
   return out.str();
 }
+
+ACCEL_COMPILED_ONCE auto FlightRecorder::issue(const std::string& group, std::uint64_t sequence, bool point_to_point, std::string_view op, const std::string& what, std::uint64_t bytes) -> std::uint64_t {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Entry& e = ring_[next_id_ % capacity];
+  e = Entry{next_id_, group, sequence, point_to_point, std::string(op), what, bytes, now(), 0, State::issued};
+  return next_id_++;
+}
+
+ACCEL_COMPILED_ONCE void FlightRecorder::finish(std::uint64_t id, bool ok) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Entry& e = ring_[id % capacity];
+  if (e.id != id) return;
+  e.ended_s = now();
+  e.state = ok ? State::completed : State::failed;
+}
+
+ACCEL_COMPILED_ONCE auto FlightRecorder::entries() const -> std::vector<Entry> {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Entry> out;
+  for (std::uint64_t id = next_id_ > capacity ? next_id_ - capacity : 1; id < next_id_; ++id)
+    out.push_back(ring_[id % capacity]);
+  return out;
+}
+
+ACCEL_COMPILED_ONCE auto FlightRecorder::to_json(int rank) const -> nlohmann::json {
+  nlohmann::json j{{"rank", rank}, {"pid", static_cast<long>(::getpid())}, {"written_s", now()}};
+  j["entries"] = nlohmann::json::array();
+  for (const auto& e : entries())
+    j["entries"].push_back({{"group", e.group},
+                            {"sequence", e.sequence},
+                            {"point_to_point", e.point_to_point},
+                            {"op", e.op},
+                            {"what", e.what},
+                            {"bytes", e.bytes},
+                            {"issued_s", e.issued_s},
+                            {"ended_s", e.ended_s},
+                            {"state", state_name(e.state)}});
+  return j;
+}
+
+ACCEL_COMPILED_ONCE auto FlightRecorder::dump(int rank) const noexcept -> std::optional<std::filesystem::path> {
+  try {
+    const auto dir = directory();
+    if (!dir) return std::nullopt;
+    std::filesystem::create_directories(*dir);
+    const auto path = *dir / ("rank_" + std::to_string(rank) + ".json");
+    const auto temporary = *dir / ("rank_" + std::to_string(rank) + ".json.tmp");
+    {
+      std::ofstream out(temporary);
+      out << to_json(rank).dump(1) << "\n";
+      if (!out) return std::nullopt;
+    }
+    std::filesystem::rename(temporary, path);
+    return path;
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+ACCEL_COMPILED_ONCE void FlightRecorder::install_signal_handler() {
+  if (!directory()) return;
+  struct sigaction current {};
+  if (::sigaction(SIGUSR1, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
+  struct sigaction action {};
+  action.sa_handler = [](int) { dump_requested().store(true); };
+  ::sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  ::sigaction(SIGUSR1, &action, nullptr);
+}
+
+#endif
 
 }  // namespace accel::comm

@@ -32,6 +32,8 @@
 #include <thread>
 #include <vector>
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::comm {
 
 class Liveness {
@@ -51,15 +53,7 @@ class Liveness {
   Liveness& operator=(const Liveness&) = delete;
 
   /// This rank's collective failed: say so in the store, stop beating.
-  void mark_failed() noexcept {
-    if (failed_.exchange(true)) return;
-    stop();
-    try {
-      connect(std::chrono::milliseconds(2000))->set(failed_key(rank_), std::vector<std::uint8_t>{'1'});
-    } catch (const std::exception&) {
-      // The store is gone: diagnose() will say so.
-    }
-  }
+  void mark_failed() noexcept;
   bool failed() const { return failed_; }
 
   /// What a failed collective can say about its peers, e.g. "rank 2 is gone
@@ -68,42 +62,7 @@ class Liveness {
   /// seems silent (it is looked at twice); never throws.
   /// `failed_at_once`: the collective failed well before its timeout, so a
   /// rank that never came is not the likely cause when every rank is alive.
-  std::string diagnose(bool failed_at_once = false) const noexcept {
-    try {
-      auto store = connect(std::chrono::milliseconds(2000));
-      const auto first = read_all(*store);
-      std::this_thread::sleep_for(3 * period_);
-      const auto second = read_all(*store);
-      std::vector<int> silent;  // neither beating nor failed in a collective of their own
-      for (int r = 0; r < world_size_; ++r)
-        if (r != rank_ && second[r] == first[r] && !store->check({failed_key(r)})) silent.push_back(r);
-      if (!silent.empty()) {
-        // A beat can come late on a loaded machine (seen once in CI: a rank
-        // asleep, alive, was called gone): look again before saying so.
-        std::this_thread::sleep_for(2 * period_);
-        const auto third = read_all(*store);
-        std::erase_if(silent, [&](int r) { return third[r] != second[r] || store->check({failed_key(r)}); });
-      }
-      // Only after a death do the survivors fail together and need the store for their roll calls.
-      if (rank_ == 0 && !silent.empty()) hold_store_for_peers(*store, silent);
-      if (silent.empty() && failed_at_once)
-        return "every other rank is alive and the collective failed at once, not at its timeout: the backend refused "
-               "it (a dtype or shape it does not take? the reason follows)";
-      if (silent.empty())
-        return "every other rank is alive (their heartbeats go on), so one of them did not reach this collective: "
-               "it is stuck elsewhere or skipped it (a collective under if (is_main_process()), a different number "
-               "of steps or batches)";
-      std::string ranks;
-      for (std::size_t k = 0; k < silent.size(); ++k)
-        ranks += (k == 0 ? "" : k + 1 == silent.size() ? " and " : ", ") + std::to_string(silent[k]);
-      return (silent.size() == 1 ? "rank " + ranks + " is gone (its heartbeat stopped" : "ranks " + ranks +
-                                                                                              " are gone (their heartbeats stopped") +
-             ": died, froze, or the network to it is down)";
-    } catch (const std::exception&) {
-      return "rank 0 is gone (the rendezvous store it hosts at " + host_ + ":" + std::to_string(port_) +
-             " does not answer: it died, froze or exited)";
-    }
-  }
+  std::string diagnose(bool failed_at_once = false) const noexcept;
 
  private:
   static std::string key(int rank) { return "accel/heartbeat/" + std::to_string(rank); }
@@ -112,52 +71,21 @@ class Liveness {
   // Rank 0 hosts the store: when a peer died, it waits (5 s at most) for
   // every rank still alive to fail too before it exits with its error, so
   // that their roll calls find the store.
-  void hold_store_for_peers(c10d::TCPStore& store, const std::vector<int>& gone) const {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    bool others = false;
-    for (int r = 1; r < world_size_; ++r) {
-      if (std::find(gone.begin(), gone.end(), r) != gone.end()) continue;
-      others = true;
-      while (!store.check({failed_key(r)}) && std::chrono::steady_clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    if (others) std::this_thread::sleep_for(6 * period_);  // the last one's roll call reads the store for up to 5 periods
-  }
+  void hold_store_for_peers(c10d::TCPStore& store, const std::vector<int>& gone) const;
 
   std::unique_ptr<c10d::TCPStore> connect(std::chrono::milliseconds timeout) const {
     return connect_to(host_, port_, timeout);
   }
   static std::unique_ptr<c10d::TCPStore> connect_to(const std::string& host, int port,
-                                                    std::chrono::milliseconds timeout) {
-    c10d::TCPStoreOptions options;
-    options.port = static_cast<std::uint16_t>(port);
-    options.isServer = false;
-    options.timeout = timeout;
-    return std::make_unique<c10d::TCPStore>(host, options);
-  }
+                                                    std::chrono::milliseconds timeout);
 
   // A beat to a store across a link that went down can block for minutes
   // (TCP retransmits): the thread is waited for a few periods, then left to
   // the operating system. It shares only BeatState, so it may outlive this.
-  void stop() noexcept {
-    if (!beat_.joinable() || beat_.get_id() == std::this_thread::get_id()) return;
-    std::unique_lock<std::mutex> lock(beat_state_->mutex);
-    beat_state_->stopping = true;
-    beat_state_->wake.notify_all();
-    const bool finished =
-        beat_state_->wake.wait_for(lock, 4 * period_ + std::chrono::seconds(1), [&] { return beat_state_->finished; });
-    lock.unlock();
-    if (finished) beat_.join();
-    else beat_.detach();
-  }
+  void stop() noexcept;
 
   // -1 for a rank that never beat.
-  std::vector<std::int64_t> read_all(c10d::TCPStore& store) const {
-    std::vector<std::int64_t> beats(world_size_, -1);
-    for (int r = 0; r < world_size_; ++r)
-      if (store.check({key(r)})) beats[r] = store.add(key(r), 0);
-    return beats;
-  }
+  std::vector<std::int64_t> read_all(c10d::TCPStore& store) const;
 
   // Beats, and writes the flight record when SIGUSR1 asked for it (NOTE
   // [Flight recorder]): this thread runs while the main one is blocked.
@@ -169,29 +97,7 @@ class Liveness {
   };
 
   static void run(BeatState& beat, const std::string& host, int port, int rank, std::chrono::milliseconds timeout,
-                  std::chrono::milliseconds period) {
-    std::unique_ptr<c10d::TCPStore> store;
-    try {
-      // Short: a beat blocked on a dead store must not hold up stop() for the collective timeout.
-      store = connect_to(host, port, std::min(timeout, std::chrono::milliseconds(2000)));
-    } catch (const std::exception&) {
-      // No store: no beats, but records can still be asked for.
-    }
-    std::unique_lock<std::mutex> lock(beat.mutex);
-    while (!beat.stopping) {
-      lock.unlock();
-      if (FlightRecorder::take_request()) FlightRecorder::instance().dump(rank);
-      try {
-        if (store) store->add(key(rank), 1);
-      } catch (const std::exception&) {
-        store.reset();  // the store is gone (rank 0 ended or died): nothing left to tell
-      }
-      lock.lock();
-      beat.wake.wait_for(lock, period, [&] { return beat.stopping; });
-    }
-    beat.finished = true;
-    beat.wake.notify_all();
-  }
+                  std::chrono::milliseconds period);
 
   std::string host_;
   int port_;
@@ -203,5 +109,120 @@ class Liveness {
   std::atomic<bool> failed_{false};
   std::thread beat_;
 };
+
+// The members compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE void Liveness::mark_failed() noexcept {
+  if (failed_.exchange(true)) return;
+  stop();
+  try {
+    connect(std::chrono::milliseconds(2000))->set(failed_key(rank_), std::vector<std::uint8_t>{'1'});
+  } catch (const std::exception&) {
+    // The store is gone: diagnose() will say so.
+  }
+}
+
+ACCEL_COMPILED_ONCE auto Liveness::diagnose(bool failed_at_once) const noexcept -> std::string {
+  try {
+    auto store = connect(std::chrono::milliseconds(2000));
+    const auto first = read_all(*store);
+    std::this_thread::sleep_for(3 * period_);
+    const auto second = read_all(*store);
+    std::vector<int> silent;  // neither beating nor failed in a collective of their own
+    for (int r = 0; r < world_size_; ++r)
+      if (r != rank_ && second[r] == first[r] && !store->check({failed_key(r)})) silent.push_back(r);
+    if (!silent.empty()) {
+      // A beat can come late on a loaded machine (seen once in CI: a rank
+      // asleep, alive, was called gone): look again before saying so.
+      std::this_thread::sleep_for(2 * period_);
+      const auto third = read_all(*store);
+      std::erase_if(silent, [&](int r) { return third[r] != second[r] || store->check({failed_key(r)}); });
+    }
+    // Only after a death do the survivors fail together and need the store for their roll calls.
+    if (rank_ == 0 && !silent.empty()) hold_store_for_peers(*store, silent);
+    if (silent.empty() && failed_at_once)
+      return "every other rank is alive and the collective failed at once, not at its timeout: the backend refused "
+             "it (a dtype or shape it does not take? the reason follows)";
+    if (silent.empty())
+      return "every other rank is alive (their heartbeats go on), so one of them did not reach this collective: "
+             "it is stuck elsewhere or skipped it (a collective under if (is_main_process()), a different number "
+             "of steps or batches)";
+    std::string ranks;
+    for (std::size_t k = 0; k < silent.size(); ++k)
+      ranks += (k == 0 ? "" : k + 1 == silent.size() ? " and " : ", ") + std::to_string(silent[k]);
+    return (silent.size() == 1 ? "rank " + ranks + " is gone (its heartbeat stopped" : "ranks " + ranks +
+                                                                                            " are gone (their heartbeats stopped") +
+           ": died, froze, or the network to it is down)";
+  } catch (const std::exception&) {
+    return "rank 0 is gone (the rendezvous store it hosts at " + host_ + ":" + std::to_string(port_) +
+           " does not answer: it died, froze or exited)";
+  }
+}
+
+ACCEL_COMPILED_ONCE void Liveness::hold_store_for_peers(c10d::TCPStore& store, const std::vector<int>& gone) const {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  bool others = false;
+  for (int r = 1; r < world_size_; ++r) {
+    if (std::find(gone.begin(), gone.end(), r) != gone.end()) continue;
+    others = true;
+    while (!store.check({failed_key(r)}) && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (others) std::this_thread::sleep_for(6 * period_);  // the last one's roll call reads the store for up to 5 periods
+}
+
+ACCEL_COMPILED_ONCE auto Liveness::connect_to(const std::string& host, int port, std::chrono::milliseconds timeout) -> std::unique_ptr<c10d::TCPStore> {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  options.isServer = false;
+  options.timeout = timeout;
+  return std::make_unique<c10d::TCPStore>(host, options);
+}
+
+ACCEL_COMPILED_ONCE void Liveness::stop() noexcept {
+  if (!beat_.joinable() || beat_.get_id() == std::this_thread::get_id()) return;
+  std::unique_lock<std::mutex> lock(beat_state_->mutex);
+  beat_state_->stopping = true;
+  beat_state_->wake.notify_all();
+  const bool finished =
+      beat_state_->wake.wait_for(lock, 4 * period_ + std::chrono::seconds(1), [&] { return beat_state_->finished; });
+  lock.unlock();
+  if (finished) beat_.join();
+  else beat_.detach();
+}
+
+ACCEL_COMPILED_ONCE auto Liveness::read_all(c10d::TCPStore& store) const -> std::vector<std::int64_t> {
+  std::vector<std::int64_t> beats(world_size_, -1);
+  for (int r = 0; r < world_size_; ++r)
+    if (store.check({key(r)})) beats[r] = store.add(key(r), 0);
+  return beats;
+}
+
+ACCEL_COMPILED_ONCE void Liveness::run(BeatState& beat, const std::string& host, int port, int rank, std::chrono::milliseconds timeout, std::chrono::milliseconds period) {
+  std::unique_ptr<c10d::TCPStore> store;
+  try {
+    // Short: a beat blocked on a dead store must not hold up stop() for the collective timeout.
+    store = connect_to(host, port, std::min(timeout, std::chrono::milliseconds(2000)));
+  } catch (const std::exception&) {
+    // No store: no beats, but records can still be asked for.
+  }
+  std::unique_lock<std::mutex> lock(beat.mutex);
+  while (!beat.stopping) {
+    lock.unlock();
+    if (FlightRecorder::take_request()) FlightRecorder::instance().dump(rank);
+    try {
+      if (store) store->add(key(rank), 1);
+    } catch (const std::exception&) {
+      store.reset();  // the store is gone (rank 0 ended or died): nothing left to tell
+    }
+    lock.lock();
+    beat.wake.wait_for(lock, period, [&] { return beat.stopping; });
+  }
+  beat.finished = true;
+  beat.wake.notify_all();
+}
+
+#endif
 
 }  // namespace accel::comm

@@ -9,8 +9,14 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/version.h>
+// The collective base class only: the Gloo and NCCL process groups are
+// needed where one is made (comm/communicator.hpp, compiled once).
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
 #if ACCEL_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif

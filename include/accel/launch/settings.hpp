@@ -18,58 +18,23 @@
 #include "accel/core/policies.hpp"
 #include "accel/launch/variables.hpp"
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::launch {
 
-inline int accumulation_steps(const std::optional<int>& configured) {
-  auto from_env = comm::process_environment(variables::gradient_accumulation_steps);
-  int steps = 1;
-  if (configured) {
-    steps = *configured;
-  } else if (from_env) {
-    try {
-      steps = std::stoi(*from_env);
-    } catch (const std::exception&) {
-      throw ConfigurationError("accel: ACCELERATE_GRADIENT_ACCUMULATION_STEPS='" + *from_env + "' is not an integer");
-    }
-  }
-  if (steps < 1)
-    throw ConfigurationError("accel: gradient_accumulation_steps must be at least 1, got " + std::to_string(steps));
-  return steps;
-}
+int accumulation_steps(const std::optional<int>& configured);
 
 // As in Accelerate, the precision in the program wins over the launcher's
 // default: `accel launch` exports ACCELERATE_MIXED_PRECISION only when the
 // user asked for one (a flag, or a key in a config file). Where that request
 // disagrees with the compiled Precision policy, refuse instead of silently
 // training in another precision, and say what to change.
-inline void check_launcher_precision(const char* compiled) {
-  auto requested = comm::process_environment(variables::mixed_precision);
-  if (!requested || *requested == compiled) return;
-  const auto origin = comm::process_environment(variables::mixed_precision_origin);
-  const std::string where = !origin                     ? std::string("the environment")
-                            : origin->starts_with("--") ? "accel launch " + *origin + " " + *requested
-                                                        : "mixed_precision in " + *origin;
-  throw ConfigurationError(std::string("accel: mixed_precision=") + *requested + " was asked for (by " + where +
-                           ") but this program's Trainer is compiled with mixed_precision=" + compiled +
-                           ": launch with --mixed_precision " + compiled + " (or without asking for one), or " +
-                           "change the Trainer's Precision policy");
-}
+void check_launcher_precision(const char* compiled);
 
 // `accel launch` with an fsdp_config exports FSDP_SHARDING_STRATEGY (a name,
 // or Accelerate's older 1-4 numbering); it must name the compiled strategy.
 // `compiled`: the strategy's FSDP name, nullptr if it is not an FSDP strategy.
-inline void check_launcher_sharding(const char* compiled) {
-  auto requested = comm::process_environment(variables::fsdp_sharding_strategy);
-  if (!requested) return;
-  static const char* numbered[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"};
-  std::string name = *requested;
-  if (name.size() == 1 && name[0] >= '1' && name[0] <= '4') name = numbered[name[0] - '1'];
-  if (compiled == nullptr || name != compiled)
-    throw ConfigurationError("accel: the launcher asked for fsdp_sharding_strategy=" + name +
-                             " but this program's Trainer strategy is " +
-                             (compiled ? std::string("FSDP ") + compiled : std::string("not an FSDP strategy")) +
-                             ": use accel::FSDP<accel::ShardingStrategy::" + name + "> or change the config");
-}
+void check_launcher_sharding(const char* compiled);
 
 // `accel launch` with an fsdp_config exports Accelerate's FSDP_* variables;
 // as Accelerate's FSDP plugin does, they set the strategy's fields:
@@ -81,15 +46,7 @@ inline void check_launcher_sharding(const char* compiled) {
 //   FSDP_ACTIVATION_CHECKPOINTING  true/false  -> activation_checkpointing (any ZeRO stage, HybridShard)
 // A value that cannot be read, or offload for a strategy that shards no
 // optimizer state, is a ConfigurationError naming the variable.
-inline bool launcher_flag(const char* name) {
-  auto value = comm::process_environment(name);
-  if (!value) return false;
-  std::string v = *value;
-  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (v == "true" || v == "1") return true;
-  if (v == "false" || v == "0" || v.empty()) return false;
-  throw ConfigurationError(std::string("accel: ") + name + "='" + *value + "' is not true or false");
-}
+bool launcher_flag(const char* name);
 
 /// Debug mode (NOTE [Debug mode] in comm/communicator.hpp): the Trainer's
 /// option when set, else ACCELERATE_DEBUG_MODE (`accel launch --debug`).
@@ -185,5 +142,63 @@ void check_launcher_settings() {
   if constexpr (requires { Strategy::fsdp_sharding_strategy; }) check_launcher_sharding(Strategy::fsdp_sharding_strategy);
   else check_launcher_sharding(nullptr);
 }
+
+// The functions compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE int accumulation_steps(const std::optional<int>& configured) {
+  auto from_env = comm::process_environment(variables::gradient_accumulation_steps);
+  int steps = 1;
+  if (configured) {
+    steps = *configured;
+  } else if (from_env) {
+    try {
+      steps = std::stoi(*from_env);
+    } catch (const std::exception&) {
+      throw ConfigurationError("accel: ACCELERATE_GRADIENT_ACCUMULATION_STEPS='" + *from_env + "' is not an integer");
+    }
+  }
+  if (steps < 1)
+    throw ConfigurationError("accel: gradient_accumulation_steps must be at least 1, got " + std::to_string(steps));
+  return steps;
+}
+
+ACCEL_COMPILED_ONCE void check_launcher_precision(const char* compiled) {
+  auto requested = comm::process_environment(variables::mixed_precision);
+  if (!requested || *requested == compiled) return;
+  const auto origin = comm::process_environment(variables::mixed_precision_origin);
+  const std::string where = !origin                     ? std::string("the environment")
+                            : origin->starts_with("--") ? "accel launch " + *origin + " " + *requested
+                                                        : "mixed_precision in " + *origin;
+  throw ConfigurationError(std::string("accel: mixed_precision=") + *requested + " was asked for (by " + where +
+                           ") but this program's Trainer is compiled with mixed_precision=" + compiled +
+                           ": launch with --mixed_precision " + compiled + " (or without asking for one), or " +
+                           "change the Trainer's Precision policy");
+}
+
+ACCEL_COMPILED_ONCE void check_launcher_sharding(const char* compiled) {
+  auto requested = comm::process_environment(variables::fsdp_sharding_strategy);
+  if (!requested) return;
+  static const char* numbered[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"};
+  std::string name = *requested;
+  if (name.size() == 1 && name[0] >= '1' && name[0] <= '4') name = numbered[name[0] - '1'];
+  if (compiled == nullptr || name != compiled)
+    throw ConfigurationError("accel: the launcher asked for fsdp_sharding_strategy=" + name +
+                             " but this program's Trainer strategy is " +
+                             (compiled ? std::string("FSDP ") + compiled : std::string("not an FSDP strategy")) +
+                             ": use accel::FSDP<accel::ShardingStrategy::" + name + "> or change the config");
+}
+
+ACCEL_COMPILED_ONCE bool launcher_flag(const char* name) {
+  auto value = comm::process_environment(name);
+  if (!value) return false;
+  std::string v = *value;
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "true" || v == "1") return true;
+  if (v == "false" || v == "0" || v.empty()) return false;
+  throw ConfigurationError(std::string("accel: ") + name + "='" + *value + "' is not true or false");
+}
+
+#endif
 
 }  // namespace accel::launch

@@ -9,6 +9,8 @@
 #include <optional>
 #include <vector>
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::strategy {
 
 /// What the plan needs to know of one parameter.
@@ -48,7 +50,12 @@ struct PlannedBucket {
 /// Parameters in reverse registration order (roughly the order backward
 /// produces their gradients) join the open bucket, which closes once it holds
 /// at least its cap, or when the next parameter is of another kind, group or unit.
-inline std::vector<PlannedBucket> plan_buckets(const std::vector<ParameterSlot>& slots, const PlanSettings& settings) {
+std::vector<PlannedBucket> plan_buckets(const std::vector<ParameterSlot>& slots, const PlanSettings& settings);
+
+// The functions compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE std::vector<PlannedBucket> plan_buckets(const std::vector<ParameterSlot>& slots, const PlanSettings& settings) {
   constexpr double mib = 1024.0 * 1024.0;
   std::vector<PlannedBucket> planned;
   double bytes = 0;
@@ -74,5 +81,7 @@ inline std::vector<PlannedBucket> plan_buckets(const std::vector<ParameterSlot>&
   for (auto& bucket : planned) bucket.padded = (bucket.numel + pad - 1) / pad * pad;
   return planned;
 }
+
+#endif
 
 }  // namespace accel::strategy

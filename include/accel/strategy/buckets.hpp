@@ -49,6 +49,8 @@
 #include "accel/strategy/engine.hpp"
 #include "accel/strategy/module_tree.hpp"
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::strategy {
 
 /// What a bucketed engine did during a backward pass, in order (recorded only
@@ -120,17 +122,7 @@ class GradientBuckets {
     grad = grad_views[i];
   }
 
-  void mark_ready(std::size_t i) {
-    restore_grad_view(i);
-    if (!sync) return;  // accumulate locally; the final micro-step communicates the sum
-    if (ready[i])
-      throw std::runtime_error(where() + ": parameter '" + names[i] +
-                               "' got its gradient twice in one backward (a second backward through the same graph before the "
-                               "step is not supported; accel::nn::checkpoint, which recomputes reentrantly, is)");
-    ready[i] = 1;
-    if (record) events.push_back({DDPEvent::gradient_ready, i});
-    if (--buckets[bucket_of[i]].pending == 0) launch_ready();
-  }
+  void mark_ready(std::size_t i);
 
   void launch_ready() {
     while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
@@ -141,15 +133,7 @@ class GradientBuckets {
   }
 
   /// Every parameter must have been marked ready this step.
-  void check_all_ready() {
-    for (std::size_t i = 0; i < params.size(); ++i)
-      if (!ready[i]) {
-        reset();
-        throw std::runtime_error(where() + ": parameter '" + names[i] +
-                                 "' received no gradient in this step; if some parameters are unused in a step, "
-                                 "use " + settings.strategy_name + "{.find_unused_parameters = true}");
-      }
-  }
+  void check_all_ready();
 
   void reset() {
     std::fill(ready.begin(), ready.end(), 0);
@@ -166,60 +150,15 @@ class GradientBuckets {
 
   /// Bucket b's buffer (zeros, allocated if it has none) and its parameters'
   /// .grad as views of it, holding the values .grad had.
-  void attach_grad_views(std::size_t b) {
-    auto& bucket = buckets[b];
-    if (!bucket.grad.defined()) {
-      if (settings.lazy_gradients && before_allocating) before_allocating();
-      bucket.grad = at::zeros({bucket.padded}, params[bucket.params.front()].options().requires_grad(false));
-    }
-    for (std::size_t k = 0; k < bucket.params.size(); ++k) {
-      const auto i = bucket.params[k];
-      auto& p = params[i];
-      grad_views[i] = bucket.grad.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
-      at::Tensor& grad = p.mutable_grad();
-      if (grad.defined() && !grad.is_same(grad_views[i])) grad_views[i].copy_(grad);
-      grad = grad_views[i];
-    }
-  }
+  void attach_grad_views(std::size_t b);
 
   /// Drops bucket b's buffer and its parameters' views of it.
-  void release_gradients(std::size_t b) {
-    auto& bucket = buckets[b];
-    bucket.grad = at::Tensor();
-    for (auto i : bucket.params) {
-      params[i].mutable_grad() = at::Tensor();
-      grad_views[i] = at::Tensor();
-    }
-  }
+  void release_gradients(std::size_t b);
 };
 
 // The root's parameters and buffers on every rank of `group`, one broadcast
 // per dtype and device (a model's state starts equal everywhere).
-inline void broadcast_module_state(torch::nn::Module& model, comm::Communicator& group, const std::string& what) {
-  if (!group.distributed()) return;
-  std::vector<at::Tensor> tensors = model.parameters();
-  for (auto& b : model.buffers()) tensors.push_back(b);
-  c10::NoGradGuard no_grad;
-  std::vector<std::vector<at::Tensor>> by_dtype;
-  for (auto& t : tensors) {
-    auto it = std::find_if(by_dtype.begin(), by_dtype.end(), [&](auto& g) {
-      return g.front().scalar_type() == t.scalar_type() && g.front().device() == t.device();
-    });
-    if (it == by_dtype.end()) by_dtype.push_back({t});
-    else it->push_back(t);
-  }
-  for (auto& same_kind : by_dtype) {
-    std::vector<at::Tensor> flat_parts;
-    for (auto& t : same_kind) flat_parts.push_back(t.reshape({-1}));
-    auto flat = at::cat(flat_parts);
-    group.broadcast(flat, 0, what);
-    std::int64_t offset = 0;
-    for (auto& t : same_kind) {
-      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
-  }
-}
+void broadcast_module_state(torch::nn::Module& model, comm::Communicator& group, const std::string& what);
 
 class ReadyHook final : public compat::PostHook {
  public:
@@ -291,11 +230,7 @@ class BucketedEngineBase : public EngineDefaults {
   // ------------------------------------------------------------ introspection
   std::size_t bucket_count() const { return state_->buckets.size(); }
   /// Parameter names of bucket `b`, in the order they were assigned.
-  std::vector<std::string> bucket_parameters(std::size_t b) const {
-    std::vector<std::string> out;
-    for (auto i : state_->buckets.at(b).params) out.push_back(state_->names[i]);
-    return out;
-  }
+  std::vector<std::string> bucket_parameters(std::size_t b) const;
   /// Per bucket, this rank's (padded/shards,) slice of a 0/1 mask that is 1
   /// on the elements of the parameters `counted` accepts (padding: 0).
   std::vector<at::Tensor> shard_masks(const std::function<bool(const at::Tensor&)>& counted, int shards,
@@ -320,19 +255,7 @@ class BucketedEngineBase : public EngineDefaults {
 
  protected:
   /// The buckets' plan by parameter name, for a sharded checkpoint's index.
-  std::vector<FlatBucket> flat_buckets() const {
-    const auto& s = *state_;
-    std::vector<FlatBucket> out;
-    for (const auto& bucket : s.buckets) {
-      FlatBucket flat{bucket.numel, bucket.padded, {}};
-      for (std::size_t k = 0; k < bucket.params.size(); ++k) {
-        const auto i = bucket.params[k];
-        flat.parameters.push_back({s.names[i], s.params[i].sizes().vec(), bucket.offsets[k]});
-      }
-      out.push_back(std::move(flat));
-    }
-    return out;
-  }
+  std::vector<FlatBucket> flat_buckets() const;
 
   /// Collects the model's trainable parameters, checks that every rank has
   /// the same model, broadcasts rank 0's weights, plans the buckets.
@@ -343,34 +266,11 @@ class BucketedEngineBase : public EngineDefaults {
 
   /// `broadcast`: rank 0's weights to every rank (not for a model built on
   /// meta, whose values do not exist yet: strategy/deferred_init.hpp).
-  void collect(torch::nn::Module& model, bool broadcast = true) {
-    auto& s = *state_;
-    if (!s.params.empty())
-      throw std::logic_error(std::string("accel ") + s.settings.strategy_name + ": prepare() takes one model per Trainer");
-    for (auto& item : model.named_parameters()) {
-      if (!item.value().requires_grad()) continue;
-      s.names.push_back(item.key());
-      s.params.push_back(item.value());
-    }
-    check_same_model_everywhere(model);
-    if (broadcast) detail::broadcast_module_state(model, *s.comm, "broadcast of rank 0's parameters at prepare");
-  }
+  void collect(torch::nn::Module& model, bool broadcast = true);
 
   /// Moves bucket `b`'s parameters into one flat (padded,) buffer, each
   /// parameter becoming a view of it; the tail is padding (NOTE [ZeRO shards]).
-  at::Tensor flatten_parameters(std::size_t b) {
-    auto& s = *state_;
-    const auto& bucket = s.buckets[b];
-    c10::NoGradGuard no_grad;
-    at::Tensor flat = at::zeros({bucket.padded}, s.params[bucket.params.front()].options().requires_grad(false));
-    for (std::size_t k = 0; k < bucket.params.size(); ++k) {
-      auto& p = s.params[bucket.params[k]];
-      auto view = flat.narrow(0, bucket.offsets[k], p.numel());
-      view.copy_(p.reshape({-1}));
-      p.set_data(view.view(p.sizes()));
-    }
-    return flat;
-  }
+  at::Tensor flatten_parameters(std::size_t b);
 
   /// Starts the reduce-scatter of bucket `b`'s (already averaged) gradients
   /// into `shard` (comm/collectives.hpp: NCCL natively; Gloo by an all-to-all
@@ -419,118 +319,253 @@ class BucketedEngineBase : public EngineDefaults {
     for (std::size_t b = 0; b < state_->buckets.size(); ++b) state_->attach_grad_views(b);
   }
 
-  void register_hooks() {
-    auto& s = *state_;
-    for (std::size_t i = 0; i < s.params.size(); ++i) {
-      // Keep the AccumulateGrad node alive: the variable holds it weakly, and
-      // a new one (without our hook) would be made each step otherwise.
-      auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
-      hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<detail::ReadyHook>(state_, i)));
-      accumulators_.push_back(std::move(accumulator));
-    }
-  }
+  void register_hooks();
 
   /// Under find_unused_parameters: parameters unreachable from the loss get
   /// zero gradients and are marked ready before backward starts.
-  void mark_unused_ready(const at::Tensor& loss) {
-    auto& s = *state_;
-    if (!s.sync || !s.settings.find_unused_parameters) return;
-    if (!s.unused_known || !s.settings.static_graph) {
-      s.unused = find_unused(loss);
-      s.unused_known = true;
-    }
-    for (std::size_t i = 0; i < s.params.size(); ++i)
-      if (s.unused[i]) {
-        s.restore_grad_view(i);
-        s.grad_views[i].zero_();
-        s.mark_ready(i);
-      }
-  }
+  void mark_unused_ready(const at::Tensor& loss);
 
   std::shared_ptr<detail::GradientBuckets> state_;
 
  private:
   // Different models on different ranks would make the broadcast below
   // corrupt memory or hang; compare a cheap signature first.
-  void check_same_model_everywhere(torch::nn::Module& model) {
-    auto& s = *state_;
-    if (!s.comm->distributed()) return;
-    std::int64_t count = 0, numel = 0, shape_hash = 0, on_meta = 0;
-    for (auto& p : model.parameters()) {
-      ++count;
-      numel += p.numel();
-      on_meta += p.is_meta();
-      for (auto d : p.sizes()) shape_hash = (shape_hash * 1000003 + d) % 2147483647;
-    }
-    auto mine = at::tensor({count, numel, shape_hash, static_cast<std::int64_t>(model.buffers().size()), on_meta});
-    auto all = s.comm->all_gather(mine, "model signature check at prepare");
-    for (int r = 0; r < s.comm->size(); ++r)
-      if ((all[r][4].item<std::int64_t>() > 0) != (all[0][4].item<std::int64_t>() > 0))
-        throw std::runtime_error("accel " + std::string(s.settings.strategy_name) + ": rank " + std::to_string(r) +
-                                 "'s model is " + (all[r][4].item<std::int64_t>() > 0 ? "" : "not ") +
-                                 "built on the meta device, rank 0's is " +
-                                 (all[0][4].item<std::int64_t>() > 0 ? "" : "not") +
-                                 ": every rank must build the model the same way (build_on_meta on all of them)");
-      else if (!all[r].equal(all[0]))
-        throw std::runtime_error("accel " + std::string(s.settings.strategy_name) + ": rank " + std::to_string(r) +
-                                 "'s model (" + std::to_string(all[r][0].item<std::int64_t>()) + " parameters, " +
-                                 std::to_string(all[r][1].item<std::int64_t>()) + " elements) differs from rank 0's (" +
-                                 std::to_string(all[0][0].item<std::int64_t>()) + " parameters, " +
-                                 std::to_string(all[0][1].item<std::int64_t>()) +
-                                 " elements): every rank must build the same model");
-  }
+  void check_same_model_everywhere(torch::nn::Module& model);
 
  protected:
   /// The plan of bucket_plan.hpp over the collected parameters: `group_of`
   /// their optimizer group, `unit_of` (ZeRO-3) their unit.
   void plan_buckets(const std::function<int(const at::Tensor&)>& group_of,
-                    const std::function<int(std::size_t)>& unit_of = nullptr) {
-    auto& s = *state_;
-    const std::size_t n = s.params.size();
-    s.bucket_of.assign(n, 0);
-    s.ready.assign(n, 0);
-    s.grad_views.resize(n);
-    const auto slots = parameter_slots(s.params, group_of, unit_of);
-    PlanSettings plan{.caps = std::nullopt, .pad_to_multiple = s.settings.pad_to_multiple};
-    if (s.settings.size_capped) plan.caps = BucketCaps{s.settings.first_bucket_cap_mb, s.settings.bucket_cap_mb};
-    std::vector<detail::Bucket> planned;
-    for (auto& bucket : strategy::plan_buckets(slots, plan)) {
-      planned.push_back({});
-      auto& b = planned.back();
-      b.params = std::move(bucket.params);
-      b.offsets = std::move(bucket.offsets);
-      b.numel = bucket.numel;
-      b.padded = bucket.padded;
-      b.group = bucket.group;
-      b.unit = bucket.unit;
-      b.pending = b.params.size();
-      for (auto i : b.params) s.bucket_of[i] = planned.size() - 1;
-    }
-    s.buckets = std::move(planned);
-  }
+                    const std::function<int(std::size_t)>& unit_of = nullptr);
 
  private:
 
   // Parameters whose AccumulateGrad node is not reachable from the loss.
-  std::vector<char> find_unused(const at::Tensor& loss) const {
-    auto& s = *state_;
-    std::unordered_set<const torch::autograd::Node*> seen;
-    std::vector<torch::autograd::Node*> stack;
-    if (auto root = loss.grad_fn()) stack.push_back(root.get());
-    while (!stack.empty()) {
-      auto* node = stack.back();
-      stack.pop_back();
-      if (!seen.insert(node).second) continue;
-      for (const auto& edge : node->next_edges())
-        if (edge.function) stack.push_back(edge.function.get());
-    }
-    std::vector<char> unused(s.params.size(), 0);
-    for (std::size_t i = 0; i < s.params.size(); ++i) unused[i] = !seen.count(accumulators_[i].get());
-    return unused;
-  }
+  std::vector<char> find_unused(const at::Tensor& loss) const;
 
   std::vector<compat::NodeHandle> accumulators_;
   std::vector<std::uintptr_t> hook_keys_;
 };
+
+// The functions compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE auto BucketedEngineBase::bucket_parameters(std::size_t b) const -> std::vector<std::string> {
+  std::vector<std::string> out;
+  for (auto i : state_->buckets.at(b).params) out.push_back(state_->names[i]);
+  return out;
+}
+
+ACCEL_COMPILED_ONCE auto BucketedEngineBase::flat_buckets() const -> std::vector<FlatBucket> {
+  const auto& s = *state_;
+  std::vector<FlatBucket> out;
+  for (const auto& bucket : s.buckets) {
+    FlatBucket flat{bucket.numel, bucket.padded, {}};
+    for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+      const auto i = bucket.params[k];
+      flat.parameters.push_back({s.names[i], s.params[i].sizes().vec(), bucket.offsets[k]});
+    }
+    out.push_back(std::move(flat));
+  }
+  return out;
+}
+
+ACCEL_COMPILED_ONCE void BucketedEngineBase::collect(torch::nn::Module& model, bool broadcast) {
+  auto& s = *state_;
+  if (!s.params.empty())
+    throw std::logic_error(std::string("accel ") + s.settings.strategy_name + ": prepare() takes one model per Trainer");
+  for (auto& item : model.named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    s.names.push_back(item.key());
+    s.params.push_back(item.value());
+  }
+  check_same_model_everywhere(model);
+  if (broadcast) detail::broadcast_module_state(model, *s.comm, "broadcast of rank 0's parameters at prepare");
+}
+
+ACCEL_COMPILED_ONCE auto BucketedEngineBase::flatten_parameters(std::size_t b) -> at::Tensor {
+  auto& s = *state_;
+  const auto& bucket = s.buckets[b];
+  c10::NoGradGuard no_grad;
+  at::Tensor flat = at::zeros({bucket.padded}, s.params[bucket.params.front()].options().requires_grad(false));
+  for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+    auto& p = s.params[bucket.params[k]];
+    auto view = flat.narrow(0, bucket.offsets[k], p.numel());
+    view.copy_(p.reshape({-1}));
+    p.set_data(view.view(p.sizes()));
+  }
+  return flat;
+}
+
+ACCEL_COMPILED_ONCE void BucketedEngineBase::register_hooks() {
+  auto& s = *state_;
+  for (std::size_t i = 0; i < s.params.size(); ++i) {
+    // Keep the AccumulateGrad node alive: the variable holds it weakly, and
+    // a new one (without our hook) would be made each step otherwise.
+    auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
+    hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<detail::ReadyHook>(state_, i)));
+    accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+ACCEL_COMPILED_ONCE void BucketedEngineBase::mark_unused_ready(const at::Tensor& loss) {
+  auto& s = *state_;
+  if (!s.sync || !s.settings.find_unused_parameters) return;
+  if (!s.unused_known || !s.settings.static_graph) {
+    s.unused = find_unused(loss);
+    s.unused_known = true;
+  }
+  for (std::size_t i = 0; i < s.params.size(); ++i)
+    if (s.unused[i]) {
+      s.restore_grad_view(i);
+      s.grad_views[i].zero_();
+      s.mark_ready(i);
+    }
+}
+
+ACCEL_COMPILED_ONCE void BucketedEngineBase::check_same_model_everywhere(torch::nn::Module& model) {
+  auto& s = *state_;
+  if (!s.comm->distributed()) return;
+  std::int64_t count = 0, numel = 0, shape_hash = 0, on_meta = 0;
+  for (auto& p : model.parameters()) {
+    ++count;
+    numel += p.numel();
+    on_meta += p.is_meta();
+    for (auto d : p.sizes()) shape_hash = (shape_hash * 1000003 + d) % 2147483647;
+  }
+  auto mine = at::tensor({count, numel, shape_hash, static_cast<std::int64_t>(model.buffers().size()), on_meta});
+  auto all = s.comm->all_gather(mine, "model signature check at prepare");
+  for (int r = 0; r < s.comm->size(); ++r)
+    if ((all[r][4].item<std::int64_t>() > 0) != (all[0][4].item<std::int64_t>() > 0))
+      throw std::runtime_error("accel " + std::string(s.settings.strategy_name) + ": rank " + std::to_string(r) +
+                               "'s model is " + (all[r][4].item<std::int64_t>() > 0 ? "" : "not ") +
+                               "built on the meta device, rank 0's is " +
+                               (all[0][4].item<std::int64_t>() > 0 ? "" : "not") +
+                               ": every rank must build the model the same way (build_on_meta on all of them)");
+    else if (!all[r].equal(all[0]))
+      throw std::runtime_error("accel " + std::string(s.settings.strategy_name) + ": rank " + std::to_string(r) +
+                               "'s model (" + std::to_string(all[r][0].item<std::int64_t>()) + " parameters, " +
+                               std::to_string(all[r][1].item<std::int64_t>()) + " elements) differs from rank 0's (" +
+                               std::to_string(all[0][0].item<std::int64_t>()) + " parameters, " +
+                               std::to_string(all[0][1].item<std::int64_t>()) +
+                               " elements): every rank must build the same model");
+}
+
+ACCEL_COMPILED_ONCE void BucketedEngineBase::plan_buckets(const std::function<int(const at::Tensor&)>& group_of, const std::function<int(std::size_t)>& unit_of) {
+  auto& s = *state_;
+  const std::size_t n = s.params.size();
+  s.bucket_of.assign(n, 0);
+  s.ready.assign(n, 0);
+  s.grad_views.resize(n);
+  const auto slots = parameter_slots(s.params, group_of, unit_of);
+  PlanSettings plan{.caps = std::nullopt, .pad_to_multiple = s.settings.pad_to_multiple};
+  if (s.settings.size_capped) plan.caps = BucketCaps{s.settings.first_bucket_cap_mb, s.settings.bucket_cap_mb};
+  std::vector<detail::Bucket> planned;
+  for (auto& bucket : strategy::plan_buckets(slots, plan)) {
+    planned.push_back({});
+    auto& b = planned.back();
+    b.params = std::move(bucket.params);
+    b.offsets = std::move(bucket.offsets);
+    b.numel = bucket.numel;
+    b.padded = bucket.padded;
+    b.group = bucket.group;
+    b.unit = bucket.unit;
+    b.pending = b.params.size();
+    for (auto i : b.params) s.bucket_of[i] = planned.size() - 1;
+  }
+  s.buckets = std::move(planned);
+}
+
+ACCEL_COMPILED_ONCE auto BucketedEngineBase::find_unused(const at::Tensor& loss) const -> std::vector<char> {
+  auto& s = *state_;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  if (auto root = loss.grad_fn()) stack.push_back(root.get());
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    for (const auto& edge : node->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  std::vector<char> unused(s.params.size(), 0);
+  for (std::size_t i = 0; i < s.params.size(); ++i) unused[i] = !seen.count(accumulators_[i].get());
+  return unused;
+}
+
+ACCEL_COMPILED_ONCE void detail::GradientBuckets::mark_ready(std::size_t i) {
+  restore_grad_view(i);
+  if (!sync) return;  // accumulate locally; the final micro-step communicates the sum
+  if (ready[i])
+    throw std::runtime_error(where() + ": parameter '" + names[i] +
+                             "' got its gradient twice in one backward (a second backward through the same graph before the "
+                             "step is not supported; accel::nn::checkpoint, which recomputes reentrantly, is)");
+  ready[i] = 1;
+  if (record) events.push_back({DDPEvent::gradient_ready, i});
+  if (--buckets[bucket_of[i]].pending == 0) launch_ready();
+}
+
+ACCEL_COMPILED_ONCE void detail::GradientBuckets::check_all_ready() {
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (!ready[i]) {
+      reset();
+      throw std::runtime_error(where() + ": parameter '" + names[i] +
+                               "' received no gradient in this step; if some parameters are unused in a step, "
+                               "use " + settings.strategy_name + "{.find_unused_parameters = true}");
+    }
+}
+
+ACCEL_COMPILED_ONCE void detail::GradientBuckets::attach_grad_views(std::size_t b) {
+  auto& bucket = buckets[b];
+  if (!bucket.grad.defined()) {
+    if (settings.lazy_gradients && before_allocating) before_allocating();
+    bucket.grad = at::zeros({bucket.padded}, params[bucket.params.front()].options().requires_grad(false));
+  }
+  for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+    const auto i = bucket.params[k];
+    auto& p = params[i];
+    grad_views[i] = bucket.grad.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
+    at::Tensor& grad = p.mutable_grad();
+    if (grad.defined() && !grad.is_same(grad_views[i])) grad_views[i].copy_(grad);
+    grad = grad_views[i];
+  }
+}
+
+ACCEL_COMPILED_ONCE void detail::GradientBuckets::release_gradients(std::size_t b) {
+  auto& bucket = buckets[b];
+  bucket.grad = at::Tensor();
+  for (auto i : bucket.params) {
+    params[i].mutable_grad() = at::Tensor();
+    grad_views[i] = at::Tensor();
+  }
+}
+
+ACCEL_COMPILED_ONCE void detail::broadcast_module_state(torch::nn::Module& model, comm::Communicator& group, const std::string& what) {
+  if (!group.distributed()) return;
+  std::vector<at::Tensor> tensors = model.parameters();
+  for (auto& b : model.buffers()) tensors.push_back(b);
+  c10::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> by_dtype;
+  for (auto& t : tensors) {
+    auto it = std::find_if(by_dtype.begin(), by_dtype.end(), [&](auto& g) {
+      return g.front().scalar_type() == t.scalar_type() && g.front().device() == t.device();
+    });
+    if (it == by_dtype.end()) by_dtype.push_back({t});
+    else it->push_back(t);
+  }
+  for (auto& same_kind : by_dtype) {
+    std::vector<at::Tensor> flat_parts;
+    for (auto& t : same_kind) flat_parts.push_back(t.reshape({-1}));
+    auto flat = at::cat(flat_parts);
+    group.broadcast(flat, 0, what);
+    std::int64_t offset = 0;
+    for (auto& t : same_kind) {
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+#endif
 
 }  // namespace accel::strategy

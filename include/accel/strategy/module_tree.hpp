@@ -15,6 +15,8 @@
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/unit_plan.hpp"
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::strategy {
 
 /// The module tree of unit_plan.hpp, parameters named by their index in
@@ -43,9 +45,14 @@ inline int optimizer_group_of(const std::vector<torch::optim::OptimizerParamGrou
 /// The bucket planner's view of `params`, in order: size, element size,
 /// kind (each distinct dtype and device numbered as first seen), optimizer
 /// group (`group_of`) and unit (`unit_of`, by index; 0 without).
-inline std::vector<ParameterSlot> parameter_slots(const std::vector<at::Tensor>& params,
+std::vector<ParameterSlot> parameter_slots(const std::vector<at::Tensor>& params,
                                                   const std::function<int(const at::Tensor&)>& group_of,
-                                                  const std::function<int(std::size_t)>& unit_of = nullptr) {
+                                                  const std::function<int(std::size_t)>& unit_of = nullptr);
+
+// The functions compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE std::vector<ParameterSlot> parameter_slots(const std::vector<at::Tensor>& params, const std::function<int(const at::Tensor&)>& group_of, const std::function<int(std::size_t)>& unit_of) {
   std::vector<std::pair<at::ScalarType, at::Device>> kinds;
   std::vector<ParameterSlot> slots;
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -61,5 +68,7 @@ inline std::vector<ParameterSlot> parameter_slots(const std::vector<at::Tensor>&
   }
   return slots;
 }
+
+#endif
 
 }  // namespace accel::strategy

@@ -32,6 +32,8 @@
 #include "accel/core/errors.hpp"
 #include "accel/tracking/tensorboard.hpp"
 
+#include "accel/core/compiled_once.hpp"
+
 namespace accel::tracking {
 
 using Values = nlohmann::json;
@@ -63,12 +65,7 @@ inline std::vector<std::pair<std::string, Values>> flatten(const Values& values,
 }
 
 namespace detail {
-inline void write_config(const std::filesystem::path& run_dir, const Values& config) {
-  std::filesystem::create_directories(run_dir);
-  std::ofstream out(run_dir / "config.json");
-  out << config.dump(2) << '\n';
-  if (!out) throw std::runtime_error("accel: cannot write " + (run_dir / "config.json").string());
-}
+void write_config(const std::filesystem::path& run_dir, const Values& config);
 }  // namespace detail
 
 /// One JSON object per line: {"step": s, "time": unix seconds, ...values}.
@@ -271,19 +268,7 @@ class AnyTracker {
 
 /// The built-in names TrainerOptions::log_with takes, checked before any
 /// rank connects ("all" is every built-in one; empty: "jsonl").
-inline std::vector<std::string> built_in_trackers(const std::vector<std::string>& log_with) {
-  static const std::vector<std::string> known = {"jsonl", "csv", "tensorboard"};
-  if (log_with.empty()) return {"jsonl"};
-  std::vector<std::string> out;
-  for (const auto& name : log_with) {
-    if (name == "all") return known;
-    if (std::find(known.begin(), known.end(), name) == known.end())
-      throw ConfigurationError("accel: log_with '" + name + "' is not a tracker accel has: use jsonl, csv, "
-                               "tensorboard or all, or pass your own tracker to init_trackers");
-    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
-  }
-  return out;
-}
+std::vector<std::string> built_in_trackers(const std::vector<std::string>& log_with);
 
 /// The trackers of one run, each given every call.
 class Trackers {
@@ -324,5 +309,31 @@ class Trackers {
  private:
   std::vector<AnyTracker> trackers_;
 };
+
+// The functions compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE std::vector<std::string> built_in_trackers(const std::vector<std::string>& log_with) {
+  static const std::vector<std::string> known = {"jsonl", "csv", "tensorboard"};
+  if (log_with.empty()) return {"jsonl"};
+  std::vector<std::string> out;
+  for (const auto& name : log_with) {
+    if (name == "all") return known;
+    if (std::find(known.begin(), known.end(), name) == known.end())
+      throw ConfigurationError("accel: log_with '" + name + "' is not a tracker accel has: use jsonl, csv, "
+                               "tensorboard or all, or pass your own tracker to init_trackers");
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  }
+  return out;
+}
+
+ACCEL_COMPILED_ONCE void detail::write_config(const std::filesystem::path& run_dir, const Values& config) {
+  std::filesystem::create_directories(run_dir);
+  std::ofstream out(run_dir / "config.json");
+  out << config.dump(2) << '\n';
+  if (!out) throw std::runtime_error("accel: cannot write " + (run_dir / "config.json").string());
+}
+
+#endif
 
 }  // namespace accel::tracking
