@@ -18,6 +18,10 @@
 // (trackers and checkpoints; a rerun resumes from the newest checkpoint),
 // --log_with jsonl|csv|tensorboard|all, --min_accuracy A (exit 1 below it).
 // Tensor and pipeline parallelism need a model built for them (see gpt.cpp).
+//
+// Built compiled once (NOTE [Compiled once]), as mlp.cpp: accel's headers
+// then only declare nlohmann::json, and this program, which builds JSON
+// values for init_trackers and log, includes <nlohmann/json.hpp> itself.
 
 #include <ATen/ops/argmax.h>
 #include <ATen/ops/empty.h>
@@ -34,6 +38,7 @@
 #include <torch/optim/adam.h>
 
 #include <accel/accel.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -13,6 +13,8 @@
 #define ACCEL_BUILDING_COMPILED_ONCE 1
 
 // Every header with a compiled-once section.
+#include "accel/checkpoint/files.hpp"
+#include "accel/checkpoint/state.hpp"
 #include "accel/comm/address.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/environment.hpp"

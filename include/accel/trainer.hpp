@@ -431,16 +431,16 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// meeting accel::tracking::tracker) on the main process, in
   /// project_dir/`project`, and stores `config` with each (Accelerate's
   /// init_trackers). The other ranks keep none; every call below is then a
-  /// no-op there, so the loop needs no `if (is_main_process())`.
+  /// no-op there, so the loop needs no `if (is_main_process())`. (Compiled
+  /// once, a config or log values need <nlohmann/json.hpp>: core/json.hpp.)
   template <tracking::tracker... Custom>
-  void init_trackers(const std::string& project, const nlohmann::json& config = nlohmann::json::object(),
-                     Custom... custom) {
-    trackers_initialised_ = true;
-    if (!is_main_process()) return;
+  void init_trackers(const std::string& project, const nlohmann::json& config, Custom... custom) {
     std::vector<tracking::AnyTracker> mine;
     (mine.emplace_back(std::move(custom)), ...);
-    trackers_.start(options_.log_with, options_.project_dir, project, config, std::move(mine));
+    start_trackers(project, &config, std::move(mine));
   }
+  /// The same with an empty configuration and the built-in trackers only.
+  void init_trackers(const std::string& project) { start_trackers(project, nullptr, {}); }
   /// Hands `values` (a JSON object: numbers, strings, nested objects) to
   /// every tracker at `step` (default: the optimizer steps taken so far).
   void log(const nlohmann::json& values, std::optional<std::int64_t> step = std::nullopt) {
@@ -691,6 +691,14 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     void commit() { self.scaling_.load_state(scaler); }
   };
   CheckpointView checkpoint_view() { return CheckpointView(*this); }
+
+  void start_trackers(const std::string& project, const nlohmann::json* config,
+                      std::vector<tracking::AnyTracker> custom) {
+    trackers_initialised_ = true;
+    if (!is_main_process()) return;
+    if (config != nullptr) trackers_.start(options_.log_with, options_.project_dir, project, *config, std::move(custom));
+    else trackers_.start(options_.log_with, options_.project_dir, project, std::move(custom));
+  }
 
   torch::optim::Optimizer& require_optimizer() {
     if (optimizer_ == nullptr)

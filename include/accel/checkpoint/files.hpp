@@ -10,18 +10,15 @@
 // checkpoint goes through a staging directory that replaces the old one only
 // once complete, so a crash never destroys the last good checkpoint.
 
-#include <nlohmann/json.hpp>
-
-#include <algorithm>
-#include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <optional>
-#include <regex>
 #include <stdexcept>
 #include <string>
-#include <system_error>
+#include <utility>
 #include <vector>
+
+#include "accel/core/compiled_once.hpp"
+#include "accel/core/json.hpp"
 
 namespace accel::checkpoint {
 
@@ -37,7 +34,55 @@ inline constexpr const char* manifest_name = "manifest.json";
 inline constexpr int format_version = 1;
 
 /// Writes `text` to `path` atomically: temp file, flush, rename.
-inline void write_atomically(const fs::path& path, const std::string& text) {
+ACCEL_COMPILED_ONCE void write_atomically(const fs::path& path, const std::string& text);
+
+/// The manifest of a complete checkpoint, checked against the files present.
+ACCEL_COMPILED_ONCE nlohmann::json read_manifest(const fs::path& dir);
+
+/// Sizes of the files in `dir` (all but the manifest), for the manifest.
+ACCEL_COMPILED_ONCE nlohmann::json file_sizes(const fs::path& dir);
+
+/// Whether a checkpoint holds its model as shards (NOTE [Sharded checkpoints]
+/// in checkpoint/sharded.hpp), which only a program linking LibTorch joins.
+ACCEL_COMPILED_ONCE bool holds_sharded_model(const nlohmann::json& manifest);
+
+/// The manifest of a checkpoint whose model `model_index` can be written as
+/// one file: not cut into parts by tensor or pipeline parallelism, and there.
+ACCEL_COMPILED_ONCE nlohmann::json manifest_of_whole_model(const fs::path& dir, int model_index);
+
+/// Model `model_index`'s file of a checked whole-model checkpoint, copied to `out` atomically.
+ACCEL_COMPILED_ONCE void copy_model_file(const fs::path& dir, const fs::path& out, int model_index);
+
+/// Consolidation for export: the full model of a (possibly sharded)
+/// checkpoint as one LibTorch file, loadable with torch::load into the
+/// unsharded model. accel saves the model whole (ZeRO-3 gathers it unit by
+/// unit first) unless tensor or pipeline parallelism cut it into parts, so
+/// this checks the manifest and the file, then copies it atomically; the
+/// optimizer state stays sharded in the checkpoint.
+///   accel export checkpoints/checkpoint_7 model.pt
+/// A sharded checkpoint has no model file to copy: consolidate_model
+/// (<accel/checkpoint/sharded.hpp>) joins its shards.
+ACCEL_COMPILED_ONCE void export_model(const fs::path& dir, const fs::path& out, int model_index = 0);
+
+/// `checkpoint_<n>` folders under `root`, oldest first.
+ACCEL_COMPILED_ONCE std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::path& root);
+
+/// The newest checkpoint_<n> under `root` whose save completed (its manifest
+/// there, every file of the size it names); nothing when there is none.
+ACCEL_COMPILED_ONCE std::optional<std::pair<long, fs::path>> newest_complete_checkpoint(const fs::path& root);
+
+}  // namespace accel::checkpoint
+
+#if ACCEL_DEFINE_COMPILED_ONCE
+#include <algorithm>
+#include <fstream>
+#include <regex>
+#include <system_error>
+
+namespace accel::checkpoint {
+
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE void write_atomically(const fs::path& path, const std::string& text) {
   const fs::path temp = path.string() + ".tmp";
   {
     std::ofstream out(temp, std::ios::binary | std::ios::trunc);
@@ -48,8 +93,7 @@ inline void write_atomically(const fs::path& path, const std::string& text) {
   fs::rename(temp, path);
 }
 
-/// The manifest of a complete checkpoint, checked against the files present.
-inline nlohmann::json read_manifest(const fs::path& dir) {
+ACCEL_COMPILED_ONCE nlohmann::json read_manifest(const fs::path& dir) {
   if (!fs::is_directory(dir)) throw CheckpointError("accel: checkpoint " + dir.string() + " does not exist");
   const fs::path manifest = dir / manifest_name;
   if (!fs::exists(manifest))
@@ -81,8 +125,7 @@ inline nlohmann::json read_manifest(const fs::path& dir) {
   return m;
 }
 
-/// Sizes of the files in `dir` (all but the manifest), for the manifest.
-inline nlohmann::json file_sizes(const fs::path& dir) {
+ACCEL_COMPILED_ONCE nlohmann::json file_sizes(const fs::path& dir) {
   nlohmann::json files = nlohmann::json::object();
   for (const auto& entry : fs::directory_iterator(dir))
     if (entry.is_regular_file() && entry.path().filename() != manifest_name &&
@@ -91,15 +134,11 @@ inline nlohmann::json file_sizes(const fs::path& dir) {
   return files;
 }
 
-/// Whether a checkpoint holds its model as shards (NOTE [Sharded checkpoints]
-/// in checkpoint/sharded.hpp), which only a program linking LibTorch joins.
-inline bool holds_sharded_model(const nlohmann::json& manifest) {
+ACCEL_COMPILED_ONCE bool holds_sharded_model(const nlohmann::json& manifest) {
   return manifest.value("model_state_dict", std::string("FULL_STATE_DICT")) == "SHARDED_STATE_DICT";
 }
 
-/// The manifest of a checkpoint whose model `model_index` can be written as
-/// one file: not cut into parts by tensor or pipeline parallelism, and there.
-inline nlohmann::json manifest_of_whole_model(const fs::path& dir, int model_index) {
+ACCEL_COMPILED_ONCE nlohmann::json manifest_of_whole_model(const fs::path& dir, int model_index) {
   auto manifest = read_manifest(dir);
   const int parts = manifest.value("model_parts", 1);
   if (parts != 1)
@@ -113,23 +152,13 @@ inline nlohmann::json manifest_of_whole_model(const fs::path& dir, int model_ind
   return manifest;
 }
 
-/// Model `model_index`'s file of a checked whole-model checkpoint, copied to `out` atomically.
-inline void copy_model_file(const fs::path& dir, const fs::path& out, int model_index) {
+ACCEL_COMPILED_ONCE void copy_model_file(const fs::path& dir, const fs::path& out, int model_index) {
   const fs::path temp = out.string() + ".tmp";
   fs::copy_file(dir / ("model_" + std::to_string(model_index) + ".pt"), temp, fs::copy_options::overwrite_existing);
   fs::rename(temp, out);
 }
 
-/// Consolidation for export: the full model of a (possibly sharded)
-/// checkpoint as one LibTorch file, loadable with torch::load into the
-/// unsharded model. accel saves the model whole (ZeRO-3 gathers it unit by
-/// unit first) unless tensor or pipeline parallelism cut it into parts, so
-/// this checks the manifest and the file, then copies it atomically; the
-/// optimizer state stays sharded in the checkpoint.
-///   accel export checkpoints/checkpoint_7 model.pt
-/// A sharded checkpoint has no model file to copy: consolidate_model
-/// (<accel/checkpoint/sharded.hpp>) joins its shards.
-inline void export_model(const fs::path& dir, const fs::path& out, int model_index = 0) {
+ACCEL_COMPILED_ONCE void export_model(const fs::path& dir, const fs::path& out, int model_index) {
   if (holds_sharded_model(manifest_of_whole_model(dir, model_index)))
     throw CheckpointError("accel: checkpoint " + dir.string() +
                           " holds its model as shards (SHARDED_STATE_DICT): join them with "
@@ -137,8 +166,7 @@ inline void export_model(const fs::path& dir, const fs::path& out, int model_ind
   copy_model_file(dir, out, model_index);
 }
 
-/// `checkpoint_<n>` folders under `root`, oldest first.
-inline std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::path& root) {
+ACCEL_COMPILED_ONCE std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::path& root) {
   std::vector<std::pair<long, fs::path>> found;
   if (!fs::is_directory(root)) return found;
   static const std::regex pattern("checkpoint_([0-9]+)");
@@ -151,9 +179,7 @@ inline std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::pat
   return found;
 }
 
-/// The newest checkpoint_<n> under `root` whose save completed (its manifest
-/// there, every file of the size it names); nothing when there is none.
-inline std::optional<std::pair<long, fs::path>> newest_complete_checkpoint(const fs::path& root) {
+ACCEL_COMPILED_ONCE std::optional<std::pair<long, fs::path>> newest_complete_checkpoint(const fs::path& root) {
   const auto all = numbered_checkpoints(root);
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     try {
@@ -167,3 +193,5 @@ inline std::optional<std::pair<long, fs::path>> newest_complete_checkpoint(const
 }
 
 }  // namespace accel::checkpoint
+
+#endif

@@ -20,32 +20,21 @@
 // (NOTE [Resharding optimizer state]).
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/tensor.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
-#include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>
-#include <torch/serialize.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <filesystem>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
-#include <sstream>
-#include <string>
 #include <vector>
 
-#include "accel/checkpoint/files.hpp"
-#include "accel/checkpoint/sharded.hpp"
-#include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
-#include "accel/compat/torch_compat.hpp"
+#include "accel/core/compiled_once.hpp"
 #include "accel/data/loader.hpp"
-#include "accel/device/random_state.hpp"
 #include "accel/precision/grad_scaler.hpp"
 #include "accel/strategy/engine.hpp"
 
@@ -93,6 +82,36 @@ struct TrainerView {
   std::vector<CustomObject>& custom;
   std::vector<std::weak_ptr<data::LoaderPosition>>& loaders;
 };
+
+/// Saves everything needed to resume exactly (NOTE [Checkpoint layout],
+/// NOTE [Checkpoint commit]). Every rank calls it.
+ACCEL_COMPILED_ONCE void save_state(TrainerView& t, const std::filesystem::path& dir);
+
+/// Restores a checkpoint written by save_state. Every rank checks it; if any
+/// rank cannot load it, all of them throw, naming the problem.
+ACCEL_COMPILED_ONCE void load_state(TrainerView& t, const std::filesystem::path& dir);
+
+}  // namespace accel::checkpoint
+
+#if ACCEL_DEFINE_COMPILED_ONCE
+#include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/serialize.h>
+
+#include <sstream>
+#include <string>
+
+#include "accel/checkpoint/files.hpp"
+#include "accel/checkpoint/sharded.hpp"
+#include "accel/comm/collectives.hpp"
+#include "accel/compat/torch_compat.hpp"
+#include "accel/core/json.hpp"
+#include "accel/device/random_state.hpp"
+
+namespace accel::checkpoint {
 
 namespace detail {
 
@@ -432,9 +451,8 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
 
 }  // namespace detail
 
-/// Saves everything needed to resume exactly (NOTE [Checkpoint layout],
-/// NOTE [Checkpoint commit]). Every rank calls it.
-inline void save_state(TrainerView& t, const std::filesystem::path& dir) {
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE void save_state(TrainerView& t, const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   const bool main = t.world.rank() == 0;
   // Rank 0 decides (another rank could see the directory rank 0 just made).
@@ -489,9 +507,7 @@ inline void save_state(TrainerView& t, const std::filesystem::path& dir) {
   t.world.barrier();
 }
 
-/// Restores a checkpoint written by save_state. Every rank checks it; if any
-/// rank cannot load it, all of them throw, naming the problem.
-inline void load_state(TrainerView& t, const std::filesystem::path& dir) {
+ACCEL_COMPILED_ONCE void load_state(TrainerView& t, const std::filesystem::path& dir) {
   std::string error;
   try {
     detail::load_here(t, dir);
@@ -508,3 +524,5 @@ inline void load_state(TrainerView& t, const std::filesystem::path& dir) {
 }
 
 }  // namespace accel::checkpoint
+
+#endif

@@ -13,30 +13,12 @@
 // when MASTER_ADDR is this host's name and that resolves to 127.0.1.1.
 // Torch-free.
 
-#include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <optional>
 #include <string>
 
 #include "accel/core/compiled_once.hpp"
 
 namespace accel::comm {
-
-namespace detail {
-inline std::optional<std::string> numeric_host(const sockaddr* address) {
-  char text[INET6_ADDRSTRLEN] = {};
-  const void* raw = address->sa_family == AF_INET
-                        ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(address)->sin_addr)
-                        : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr);
-  if (::inet_ntop(address->sa_family, raw, text, sizeof(text)) == nullptr) return std::nullopt;
-  return std::string(text);
-}
-}  // namespace detail
 
 /// This machine's address on the route to `host:port`; nothing when `host`
 /// does not resolve or there is no route.
@@ -52,6 +34,28 @@ inline bool is_loopback_address(const std::string& address) {
 
 // The functions compiled once (NOTE [Compiled once]).
 #if ACCEL_DEFINE_COMPILED_ONCE
+}  // namespace accel::comm
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace accel::comm {
+
+namespace detail {
+inline std::optional<std::string> numeric_host(const sockaddr* address) {
+  char text[INET6_ADDRSTRLEN] = {};
+  const void* raw = address->sa_family == AF_INET
+                        ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(address)->sin_addr)
+                        : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr);
+  if (::inet_ntop(address->sa_family, raw, text, sizeof(text)) == nullptr) return std::nullopt;
+  return std::string(text);
+}
+}  // namespace detail
+
 // ACCEL_COMPILED_ONCE_DEFINITIONS
 ACCEL_COMPILED_ONCE std::optional<std::string> local_address_towards(const std::string& host, int port) {
   addrinfo hints{};

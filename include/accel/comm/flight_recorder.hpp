@@ -15,8 +15,6 @@
 // then reads the files and prints summarize(): per group, which ranks are in
 // the newest collective, since when, and which never entered it.
 
-#include <nlohmann/json.hpp>
-
 #include <signal.h>
 #include <unistd.h>
 
@@ -25,7 +23,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -34,6 +31,7 @@
 #include <vector>
 
 #include "accel/core/compiled_once.hpp"
+#include "accel/core/json.hpp"
 
 namespace accel::comm {
 
@@ -124,6 +122,12 @@ std::string summarize_flight_records(const std::vector<nlohmann::json>& records,
 
 // The members compiled once (NOTE [Compiled once]).
 #if ACCEL_DEFINE_COMPILED_ONCE
+}  // namespace accel::comm
+
+#include <fstream>
+
+namespace accel::comm {
+
 // ACCEL_COMPILED_ONCE_DEFINITIONS
 ACCEL_COMPILED_ONCE std::string summarize_flight_records(const std::vector<nlohmann::json>& records,
                                             const std::vector<int>& expected) {

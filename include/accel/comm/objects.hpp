@@ -15,10 +15,9 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
+#include "accel/core/json.hpp"
 
 namespace accel::comm {
 
@@ -28,8 +27,12 @@ namespace accel::comm {
 /// element of a ragged all-gather (Gloo gathers uint8 on both versions).
 template <class T>
 std::vector<T> gather_object(Communicator& comm, const T& object) {
+  using Json = accel::detail::json_t<T>;
+  static_assert(accel::detail::complete_json<Json>,
+                "accel: gather_object converts through nlohmann::json: include <nlohmann/json.hpp> (under "
+                "ACCEL_SEPARATE_COMPILATION accel's headers declare it only, see <accel/core/json.hpp>)");
   if (!comm.distributed()) return {object};
-  const std::string text = nlohmann::json(object).dump();
+  const std::string text = Json(object).dump();
   at::Tensor mine = at::empty({static_cast<std::int64_t>(text.size())}, at::TensorOptions().dtype(at::kByte));
   if (!text.empty()) std::memcpy(mine.data_ptr<std::uint8_t>(), text.data(), text.size());
   std::vector<T> out;
@@ -38,8 +41,8 @@ std::vector<T> gather_object(Communicator& comm, const T& object) {
     const at::Tensor host = part.contiguous();
     const std::string received(reinterpret_cast<const char*>(host.data_ptr<std::uint8_t>()), static_cast<std::size_t>(host.numel()));
     try {
-      out.push_back(nlohmann::json::parse(received).template get<T>());
-    } catch (const nlohmann::json::exception& e) {
+      out.push_back(Json::parse(received).template get<T>());
+    } catch (const typename Json::exception& e) {
       throw std::invalid_argument("accel: gather_object: rank " + std::to_string(rank) +
                                   "'s object does not convert to this rank's type: " + e.what());
     }

@@ -14,11 +14,10 @@
 #include <type_traits>
 
 #include "accel/comm/environment.hpp"
+#include "accel/core/compiled_once.hpp"
 #include "accel/core/errors.hpp"
 #include "accel/core/policies.hpp"
 #include "accel/launch/variables.hpp"
-
-#include "accel/core/compiled_once.hpp"
 
 namespace accel::launch {
 

@@ -45,11 +45,10 @@
 #include "accel/comm/collectives.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
+#include "accel/core/compiled_once.hpp"
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/engine.hpp"
 #include "accel/strategy/module_tree.hpp"
-
-#include "accel/core/compiled_once.hpp"
 
 namespace accel::strategy {
 

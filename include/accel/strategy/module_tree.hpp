@@ -12,10 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "accel/core/compiled_once.hpp"
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/unit_plan.hpp"
-
-#include "accel/core/compiled_once.hpp"
 
 namespace accel::strategy {
 

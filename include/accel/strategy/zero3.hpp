@@ -131,12 +131,9 @@ class ZeRO3State {
       // A separate tensor on the same storage: writing through it leaves
       // the parameters' version counters (checked by autograd) untouched.
       auto target = at::empty({0}, flat[b].options()).set_(flat[b].storage(), 0, {flat[b].numel()}, {1});
-      if (!comm->distributed()) {  // one rank: the shard is the whole bucket
-        target.copy_(shards[b].detach());
-        continue;
-      }
       // In place: this rank's row of the unit first, then the others'
-      // gathered into theirs, nothing staged beside the unit.
+      // gathered into theirs, nothing staged beside the unit (one rank: its
+      // row is the whole bucket, and there is nothing to gather).
       const std::int64_t shard = shards[b].numel();
       target.narrow(0, comm->rank() * shard, shard).copy_(shards[b].detach());
       for (auto& g : comm::all_gather_rows_async(*comm, target, "all-gather of ZeRO-3 unit '" + unit.name + "'"))

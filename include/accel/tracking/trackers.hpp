@@ -27,12 +27,10 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
-#include "accel/core/errors.hpp"
-#include "accel/tracking/tensorboard.hpp"
-
 #include "accel/core/compiled_once.hpp"
+#include "accel/core/errors.hpp"
+#include "accel/core/json.hpp"
+#include "accel/tracking/tensorboard.hpp"
 
 namespace accel::tracking {
 
@@ -49,20 +47,7 @@ concept tracker = requires(T& t, const Values& values, std::int64_t step) {
 };
 
 /// `values` with nested objects flattened to "outer/inner" keys, in key order.
-inline std::vector<std::pair<std::string, Values>> flatten(const Values& values, const std::string& prefix = "") {
-  if (!values.is_object()) throw std::invalid_argument("accel: log values must be a JSON object, got " + values.dump());
-  std::vector<std::pair<std::string, Values>> out;
-  for (const auto& [key, value] : values.items()) {
-    const std::string tag = prefix.empty() ? key : prefix + "/" + key;
-    if (value.is_object()) {
-      auto inner = flatten(value, tag);
-      out.insert(out.end(), inner.begin(), inner.end());
-    } else {
-      out.emplace_back(tag, value);
-    }
-  }
-  return out;
-}
+ACCEL_COMPILED_ONCE std::vector<std::pair<std::string, Values>> flatten(const Values& values, const std::string& prefix = "");
 
 namespace detail {
 void write_config(const std::filesystem::path& run_dir, const Values& config);
@@ -71,20 +56,10 @@ void write_config(const std::filesystem::path& run_dir, const Values& config);
 /// One JSON object per line: {"step": s, "time": unix seconds, ...values}.
 class JsonlTracker {
  public:
-  explicit JsonlTracker(std::filesystem::path run_dir) : dir_(std::move(run_dir)) {
-    std::filesystem::create_directories(dir_);
-    out_.open(dir_ / "metrics.jsonl", std::ios::app);
-    if (!out_) throw std::runtime_error("accel: cannot write " + (dir_ / "metrics.jsonl").string());
-  }
+  explicit JsonlTracker(std::filesystem::path run_dir);
   std::string name() const { return "jsonl"; }
   void store_init_configuration(const Values& config) { detail::write_config(dir_, config); }
-  void log(const Values& values, std::int64_t step) {
-    Values line = Values::object();
-    line["step"] = step;
-    line["time"] = detail::wall_time();
-    for (auto& [tag, value] : flatten(values)) line[tag] = value;
-    out_ << line.dump() << '\n' << std::flush;
-  }
+  void log(const Values& values, std::int64_t step);
   void finish() { out_.close(); }
 
  private:
@@ -104,17 +79,7 @@ class CsvTracker {
   }
   std::string name() const { return "csv"; }
   void store_init_configuration(const Values& config) { detail::write_config(dir_, config); }
-  void log(const Values& values, std::int64_t step) {
-    std::map<std::string, std::string> row{{"step", std::to_string(step)}, {"time", cell(Values(detail::wall_time()))}};
-    bool widened = false;
-    for (auto& [tag, value] : flatten(values)) {
-      if (std::find(columns_.begin(), columns_.end(), tag) == columns_.end()) columns_.push_back(tag), widened = true;
-      row[tag] = cell(value);
-    }
-    rows_.push_back(std::move(row));
-    if (widened || rows_.size() == 1) rewrite();
-    else append(rows_.back());
-  }
+  void log(const Values& values, std::int64_t step);
   void finish() {}
 
  private:
@@ -124,11 +89,7 @@ class CsvTracker {
     for (char c : text) out += c == '"' ? std::string("\"\"") : std::string(1, c);
     return out + "\"";
   }
-  static std::string cell(const Values& value) {
-    if (value.is_string()) return quoted(value.get<std::string>());
-    if (value.is_boolean()) return value.get<bool>() ? "1" : "0";
-    return quoted(value.dump());
-  }
+  static std::string cell(const Values& value);
   std::filesystem::path file() const { return dir_ / "metrics.csv"; }
   // Cells of one line as written by quoted() (quotes kept, so rows rewrite unchanged).
   static std::vector<std::string> cells(const std::string& text) {
@@ -209,19 +170,8 @@ class TensorBoardTracker {
  public:
   explicit TensorBoardTracker(const std::filesystem::path& run_dir) : writer_(run_dir) {}
   std::string name() const { return "tensorboard"; }
-  void store_init_configuration(const Values& config) {
-    writer_.write(0, std::vector<std::string>{text_value("config", config.dump(2))});
-  }
-  void log(const Values& values, std::int64_t step) {
-    std::vector<std::string> summary;
-    for (auto& [tag, value] : flatten(values)) {
-      if (value.is_number()) summary.push_back(scalar_value(tag, value.get<float>()));
-      else if (value.is_boolean()) summary.push_back(scalar_value(tag, value.get<bool>() ? 1.0f : 0.0f));
-      else if (value.is_string()) summary.push_back(text_value(tag, value.get<std::string>()));
-      else summary.push_back(text_value(tag, value.dump()));
-    }
-    writer_.write(step, summary);
-  }
+  void store_init_configuration(const Values& config);
+  void log(const Values& values, std::int64_t step);
   void finish() {}
   const std::filesystem::path& event_file() const { return writer_.path(); }
 
@@ -274,22 +224,12 @@ std::vector<std::string> built_in_trackers(const std::vector<std::string>& log_w
 class Trackers {
  public:
   /// Starts the built-in trackers named by `log_with` in project_dir/project,
-  /// then `custom`, and stores `config` with each.
+  /// then `custom`, and stores `config` with each (null: an empty object).
   void start(const std::vector<std::string>& log_with, const std::filesystem::path& project_dir,
-             const std::string& project, const Values& config, std::vector<AnyTracker> custom) {
-    if (project.empty() || project.find('/') != std::string::npos || project == "." || project == "..")
-      throw std::invalid_argument("accel: init_trackers needs a project name that is one folder name, got '" +
-                                  project + "'");
-    finish();
-    const auto run_dir = project_dir / project;
-    for (const auto& name : built_in_trackers(log_with)) {
-      if (name == "jsonl") trackers_.emplace_back(JsonlTracker(run_dir));
-      else if (name == "csv") trackers_.emplace_back(CsvTracker(run_dir));
-      else trackers_.emplace_back(TensorBoardTracker(run_dir));
-    }
-    for (auto& t : custom) trackers_.push_back(std::move(t));
-    for (auto& t : trackers_) t.store_init_configuration(config.is_null() ? Values::object() : config);
-  }
+             const std::string& project, const Values& config, std::vector<AnyTracker> custom);
+  /// The same with an empty configuration.
+  void start(const std::vector<std::string>& log_with, const std::filesystem::path& project_dir,
+             const std::string& project, std::vector<AnyTracker> custom);
   void log(const Values& values, std::int64_t step) {
     for (auto& t : trackers_) t.log(values, step);
   }
@@ -313,6 +253,90 @@ class Trackers {
 // The functions compiled once (NOTE [Compiled once]).
 #if ACCEL_DEFINE_COMPILED_ONCE
 // ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE std::vector<std::pair<std::string, Values>> flatten(const Values& values, const std::string& prefix) {
+  if (!values.is_object()) throw std::invalid_argument("accel: log values must be a JSON object, got " + values.dump());
+  std::vector<std::pair<std::string, Values>> out;
+  for (const auto& [key, value] : values.items()) {
+    const std::string tag = prefix.empty() ? key : prefix + "/" + key;
+    if (value.is_object()) {
+      auto inner = flatten(value, tag);
+      out.insert(out.end(), inner.begin(), inner.end());
+    } else {
+      out.emplace_back(tag, value);
+    }
+  }
+  return out;
+}
+
+
+ACCEL_COMPILED_ONCE JsonlTracker::JsonlTracker(std::filesystem::path run_dir) : dir_(std::move(run_dir)) {
+  std::filesystem::create_directories(dir_);
+  out_.open(dir_ / "metrics.jsonl", std::ios::app);
+  if (!out_) throw std::runtime_error("accel: cannot write " + (dir_ / "metrics.jsonl").string());
+}
+
+ACCEL_COMPILED_ONCE void JsonlTracker::log(const Values& values, std::int64_t step) {
+  Values line = Values::object();
+  line["step"] = step;
+  line["time"] = detail::wall_time();
+  for (auto& [tag, value] : flatten(values)) line[tag] = value;
+  out_ << line.dump() << '\n' << std::flush;
+}
+
+ACCEL_COMPILED_ONCE void CsvTracker::log(const Values& values, std::int64_t step) {
+  std::map<std::string, std::string> row{{"step", std::to_string(step)}, {"time", cell(Values(detail::wall_time()))}};
+  bool widened = false;
+  for (auto& [tag, value] : flatten(values)) {
+    if (std::find(columns_.begin(), columns_.end(), tag) == columns_.end()) columns_.push_back(tag), widened = true;
+    row[tag] = cell(value);
+  }
+  rows_.push_back(std::move(row));
+  if (widened || rows_.size() == 1) rewrite();
+  else append(rows_.back());
+}
+
+ACCEL_COMPILED_ONCE std::string CsvTracker::cell(const Values& value) {
+  if (value.is_string()) return quoted(value.get<std::string>());
+  if (value.is_boolean()) return value.get<bool>() ? "1" : "0";
+  return quoted(value.dump());
+}
+
+ACCEL_COMPILED_ONCE void TensorBoardTracker::store_init_configuration(const Values& config) {
+  writer_.write(0, std::vector<std::string>{text_value("config", config.dump(2))});
+}
+
+ACCEL_COMPILED_ONCE void TensorBoardTracker::log(const Values& values, std::int64_t step) {
+  std::vector<std::string> summary;
+  for (auto& [tag, value] : flatten(values)) {
+    if (value.is_number()) summary.push_back(scalar_value(tag, value.get<float>()));
+    else if (value.is_boolean()) summary.push_back(scalar_value(tag, value.get<bool>() ? 1.0f : 0.0f));
+    else if (value.is_string()) summary.push_back(text_value(tag, value.get<std::string>()));
+    else summary.push_back(text_value(tag, value.dump()));
+  }
+  writer_.write(step, summary);
+}
+
+ACCEL_COMPILED_ONCE void Trackers::start(const std::vector<std::string>& log_with, const std::filesystem::path& project_dir,
+                                         const std::string& project, const Values& config, std::vector<AnyTracker> custom) {
+  if (project.empty() || project.find('/') != std::string::npos || project == "." || project == "..")
+    throw std::invalid_argument("accel: init_trackers needs a project name that is one folder name, got '" + project +
+                                "'");
+  finish();
+  const auto run_dir = project_dir / project;
+  for (const auto& name : built_in_trackers(log_with)) {
+    if (name == "jsonl") trackers_.emplace_back(JsonlTracker(run_dir));
+    else if (name == "csv") trackers_.emplace_back(CsvTracker(run_dir));
+    else trackers_.emplace_back(TensorBoardTracker(run_dir));
+  }
+  for (auto& t : custom) trackers_.push_back(std::move(t));
+  for (auto& t : trackers_) t.store_init_configuration(config.is_null() ? Values::object() : config);
+}
+
+ACCEL_COMPILED_ONCE void Trackers::start(const std::vector<std::string>& log_with, const std::filesystem::path& project_dir,
+                                         const std::string& project, std::vector<AnyTracker> custom) {
+  start(log_with, project_dir, project, Values::object(), std::move(custom));
+}
+
 ACCEL_COMPILED_ONCE std::vector<std::string> built_in_trackers(const std::vector<std::string>& log_with) {
   static const std::vector<std::string> known = {"jsonl", "csv", "tensorboard"};
   if (log_with.empty()) return {"jsonl"};
