@@ -20,6 +20,7 @@
 #include "accel/comm/environment.hpp"
 #include "accel/comm/flight_recorder.hpp"
 #include "accel/comm/liveness.hpp"
+#include "accel/compat/torch_compat.hpp"
 #include "accel/launch/settings.hpp"
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/buckets.hpp"

@@ -91,10 +91,13 @@ with tempfile.TemporaryDirectory() as tmp:
             if not ranks:
                 break
             time.sleep(rng.uniform(0.5, 0.5 + 0.6 * duration))  # from start-up to late in training
-            if job.poll() is not None or ranks[0] not in children(job.pid):
-                break  # finished (or restarting) before the kill
             victim = rng.randrange(2)
-            os.kill(ranks[victim], signal.SIGKILL)
+            if job.poll() is not None or ranks[victim] not in children(job.pid):
+                break  # finished (or restarting) before the kill
+            try:
+                os.kill(ranks[victim], signal.SIGKILL)
+            except ProcessLookupError:
+                break  # it exited between the look and the kill: the end of training (seen once)
             killed.update(ranks)
             kills.append(victim)
         resumed += check_run(f"run {run}", job, kills, want, project)

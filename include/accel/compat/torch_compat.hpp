@@ -4,7 +4,6 @@
 // lives in this header, behind names of accel's own; nothing else in the
 // library tests TORCH_VERSION_*.
 
-#include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -17,9 +16,6 @@
 #else
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #endif
-#if ACCEL_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include <cstdint>
 #include <cstring>
@@ -28,6 +24,8 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+
+#include "accel/core/compiled_once.hpp"
 
 #define ACCEL_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -58,40 +56,17 @@ inline constexpr bool gloo_has_per_operation_timeout = ACCEL_TORCH_AT_LEAST(2, 1
 // ---------------------------------------------------------------- autocast
 // 1.13 has per-device entry points (set_cpu_enabled, set_autocast_cpu_dtype,
 // set_enabled for CUDA); 2.4 folded them into (device_type, ...) overloads.
-inline bool autocast_enabled(c10::DeviceType device) {
-#if ACCEL_TORCH_AT_LEAST(2, 4)
-  return at::autocast::is_autocast_enabled(device);
-#else
-  return device == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
-#endif
-}
+// Compiled once: in 2.x <ATen/autocast_mode.h> brings every operator's
+// declaration (ATen/Operators.h), seconds of parsing in each user TU.
+ACCEL_COMPILED_ONCE bool autocast_enabled(c10::DeviceType device);
+ACCEL_COMPILED_ONCE void set_autocast_enabled(c10::DeviceType device, bool enabled);
+ACCEL_COMPILED_ONCE at::ScalarType autocast_dtype(c10::DeviceType device);
+ACCEL_COMPILED_ONCE void set_autocast_dtype(c10::DeviceType device, at::ScalarType dtype);
 
-inline void set_autocast_enabled(c10::DeviceType device, bool enabled) {
-#if ACCEL_TORCH_AT_LEAST(2, 4)
-  at::autocast::set_autocast_enabled(device, enabled);
-#else
-  if (device == c10::DeviceType::CPU) at::autocast::set_cpu_enabled(enabled);
-  else at::autocast::set_enabled(enabled);
-#endif
-}
-
-inline at::ScalarType autocast_dtype(c10::DeviceType device) {
-#if ACCEL_TORCH_AT_LEAST(2, 4)
-  return at::autocast::get_autocast_dtype(device);
-#else
-  return device == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
-                                        : at::autocast::get_autocast_gpu_dtype();
-#endif
-}
-
-inline void set_autocast_dtype(c10::DeviceType device, at::ScalarType dtype) {
-#if ACCEL_TORCH_AT_LEAST(2, 4)
-  at::autocast::set_autocast_dtype(device, dtype);
-#else
-  if (device == c10::DeviceType::CPU) at::autocast::set_autocast_cpu_dtype(dtype);
-  else at::autocast::set_autocast_gpu_dtype(dtype);
-#endif
-}
+/// Entering and leaving an autocast region (nesting-safe: the cast cache is
+/// cleared when the outermost one ends).
+ACCEL_COMPILED_ONCE void enter_autocast();
+ACCEL_COMPILED_ONCE void leave_autocast();
 
 // ---------------------------------------------------------------- loss scaling
 /// Whether `_amp_foreach_non_finite_check_and_unscale_` / `_amp_update_scale_`
@@ -150,28 +125,13 @@ inline void begin_record_function(at::RecordFunction& guard, const std::string& 
 // ---------------------------------------------------------------- CUDA memory
 /// Peak bytes the caching allocator has handed out on GPU `index` since the
 /// last reset (torch.cuda.max_memory_allocated); 0 without CUDA.
-inline std::int64_t cuda_peak_allocated_bytes([[maybe_unused]] int index) {
-#if ACCEL_WITH_CUDA
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
-  return stats.allocated_bytes[0].peak;  // [0]: StatType::AGGREGATE (the enum moved namespaces in 2.x)
-#else
-  return 0;
-#endif
-}
+ACCEL_COMPILED_ONCE std::int64_t cuda_peak_allocated_bytes(int index);
 
-inline void reset_cuda_peak([[maybe_unused]] int index) {
-#if ACCEL_WITH_CUDA
-  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
-#endif
-}
+ACCEL_COMPILED_ONCE void reset_cuda_peak(int index);
 
 /// Returns the caching allocator's unused blocks to the driver
 /// (torch.cuda.empty_cache), after an out-of-memory error; nothing without CUDA.
-inline void cuda_empty_cache() {
-#if ACCEL_WITH_CUDA
-  c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
-}
+ACCEL_COMPILED_ONCE void cuda_empty_cache();
 
 // ---------------------------------------------------------------- allocators
 /// A c10::Allocator written once for both versions: 2.3 made `allocate`
@@ -191,3 +151,79 @@ class HostAllocatorBase : public c10::Allocator {
 };
 
 }  // namespace accel::compat
+
+// The functions compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
+#include <ATen/autocast_mode.h>
+#if ACCEL_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace accel::compat {
+
+// ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE bool autocast_enabled(c10::DeviceType device) {
+#if ACCEL_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(device);
+#else
+  return device == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+#endif
+}
+
+ACCEL_COMPILED_ONCE void set_autocast_enabled(c10::DeviceType device, bool enabled) {
+#if ACCEL_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(device, enabled);
+#else
+  if (device == c10::DeviceType::CPU) at::autocast::set_cpu_enabled(enabled);
+  else at::autocast::set_enabled(enabled);
+#endif
+}
+
+ACCEL_COMPILED_ONCE at::ScalarType autocast_dtype(c10::DeviceType device) {
+#if ACCEL_TORCH_AT_LEAST(2, 4)
+  return at::autocast::get_autocast_dtype(device);
+#else
+  return device == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                        : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+
+ACCEL_COMPILED_ONCE void set_autocast_dtype(c10::DeviceType device, at::ScalarType dtype) {
+#if ACCEL_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_dtype(device, dtype);
+#else
+  if (device == c10::DeviceType::CPU) at::autocast::set_autocast_cpu_dtype(dtype);
+  else at::autocast::set_autocast_gpu_dtype(dtype);
+#endif
+}
+
+ACCEL_COMPILED_ONCE void enter_autocast() { at::autocast::increment_nesting(); }
+
+ACCEL_COMPILED_ONCE void leave_autocast() {
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+}
+
+ACCEL_COMPILED_ONCE std::int64_t cuda_peak_allocated_bytes([[maybe_unused]] int index) {
+#if ACCEL_WITH_CUDA
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  return stats.allocated_bytes[0].peak;  // [0]: StatType::AGGREGATE (the enum moved namespaces in 2.x)
+#else
+  return 0;
+#endif
+}
+
+ACCEL_COMPILED_ONCE void reset_cuda_peak([[maybe_unused]] int index) {
+#if ACCEL_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
+#endif
+}
+
+ACCEL_COMPILED_ONCE void cuda_empty_cache() {
+#if ACCEL_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+}  // namespace accel::compat
+
+#endif

@@ -3,8 +3,6 @@
 // precision policy's dtype; parameters stay fp32 (master weights), as in
 // PyTorch AMP. FP32's scope is an empty object the optimiser removes.
 
-#include <ATen/autocast_mode.h>
-
 #include "accel/compat/torch_compat.hpp"
 #include "accel/core/policies.hpp"
 
@@ -35,12 +33,12 @@ class AutocastScope {
         previous_dtype_(compat::autocast_dtype(device)) {
     compat::set_autocast_enabled(device_, true);
     compat::set_autocast_dtype(device_, autocast_dtype_of<Precision>);
-    at::autocast::increment_nesting();
+    compat::enter_autocast();
   }
   AutocastScope(const AutocastScope&) = delete;
   AutocastScope& operator=(const AutocastScope&) = delete;
   ~AutocastScope() {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    compat::leave_autocast();
     compat::set_autocast_enabled(device_, was_enabled_);
     compat::set_autocast_dtype(device_, previous_dtype_);
   }
