@@ -11,7 +11,13 @@
         max |accel - accelerate| over all parameters; exit 1 above T
     python accelerate_parity.py sampler --samples N --world W --batch_size B [--shuffle --seed S --epoch E --drop_last]
         the indices Accelerate's prepared DataLoader gives each rank, as JSON
-        (tests/torch/test_accelerate.cpp compares accel's loader with it)
+        (tests/torch/test_accelerate.cpp compares accel's loader with it); --reverse
+        with a user sampler (the indices backwards), --passes K: K passes
+        without set_epoch, as a list of passes
+    torchrun --nproc_per_node N accelerate_parity.py surface --out F
+        what Accelerate's calls give on N ranks (the scheduler's learning
+        rates, gather_object, split_between_processes), as JSON in F
+        (tests/torch/test_porting.cpp compares accel's with it)
 """
 import argparse
 import json
@@ -135,20 +141,88 @@ def compare(args):
     return 0 if worst <= args.tolerance else 1
 
 
+class ReverseSampler(torch.utils.data.Sampler):
+    """A user's sampler: the samples backwards."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self):
+        return self.n
+
+
 def sampler(args):
     """Accelerate's own sharding of a prepared DataLoader, rank by rank."""
     from accelerate.data_loader import prepare_data_loader
 
     per_rank = []
     for rank in range(args.world):
-        loader = DataLoader(TensorDataset(torch.arange(args.samples)), batch_size=args.batch_size,
-                            shuffle=args.shuffle, drop_last=args.drop_last)
+        dataset = TensorDataset(torch.arange(args.samples))
+        if args.reverse:
+            loader = DataLoader(dataset, batch_size=args.batch_size, sampler=ReverseSampler(args.samples),
+                                drop_last=args.drop_last)
+        else:
+            loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=args.shuffle, drop_last=args.drop_last)
         prepared = prepare_data_loader(loader, num_processes=args.world, process_index=rank, put_on_device=False,
                                        use_seedable_sampler=args.shuffle, data_seed=args.seed,
                                        split_batches=args.split_batches, even_batches=not args.uneven)
+        if args.passes:  # Accelerate's own epoch count: no set_epoch
+            per_rank.append([[int(i) for (batch,) in prepared for i in batch] for _ in range(args.passes)])
+            continue
         prepared.set_epoch(args.epoch)
         per_rank.append([int(i) for (batch,) in prepared for i in batch])
     print(json.dumps(per_rank))
+    return 0
+
+
+def surface(args):
+    """Accelerate's results on this job's ranks, written by rank 0."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    n, rank = accelerator.num_processes, accelerator.process_index
+    out = {"num_processes": n}
+    # The scheduler: StepLR(2, 0.5) from lr 0.1, 5 optimizer steps, with and without step_scheduler_with_optimizer.
+    for with_optimizer in (True, False):
+        acc = Accelerator(cpu=True, step_scheduler_with_optimizer=with_optimizer)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+        lrs = []
+        for _ in range(5):
+            acc.backward(model(torch.ones(1, 2)).sum())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            lrs.append(optimizer.param_groups[0]["lr"])
+        out["lr_with_optimizer" if with_optimizer else "lr_without_optimizer"] = lrs
+    from accelerate.utils import gather_object
+    out["gather_object_lists"] = gather_object([rank] * (rank + 1))
+    splits = {}
+    for length in (0, 1, 2, 5, 7):
+        for padding in ((False,) if length == 0 else (False, True)):  # Accelerate cannot pad an empty list
+            items = list(range(length))
+            with accelerator.split_between_processes(items, apply_padding=padding) as mine:
+                listed = list(mine)
+            if length > 0:
+                with accelerator.split_between_processes(torch.arange(length), apply_padding=padding) as mine:
+                    tensor = [int(v) for v in mine]
+            else:
+                tensor = []
+            with accelerator.split_between_processes({"a": items, "b": [10 * i for i in items]},
+                                                     apply_padding=padding) as mine:
+                mapping = {k: list(v) for k, v in mine.items()}
+            splits[f"{length}{'_padded' if padding else ''}"] = gather_object(
+                [{"rank": rank, "list": listed, "tensor": tensor, "map": mapping}])
+    out["split_between_processes"] = splits
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    accelerator.wait_for_everyone()
     return 0
 
 
@@ -185,8 +259,13 @@ def main():
     p.add_argument("--drop_last", action="store_true")
     p.add_argument("--uneven", action="store_true", help="even_batches=False")
     p.add_argument("--split_batches", action="store_true", help="--batch_size is the global batch")
+    p.add_argument("--reverse", action="store_true", help="a user sampler: the samples backwards")
+    p.add_argument("--passes", type=int, default=0, help="passes without set_epoch (a list of passes per rank)")
+    p = sub.add_parser("surface")
+    p.add_argument("--out", required=True)
     args = parser.parse_args()
-    return {"make": make, "train": train, "compare": compare, "sampler": sampler}[args.command](args)
+    return {"make": make, "train": train, "compare": compare, "sampler": sampler,
+            "surface": surface}[args.command](args)
 
 
 if __name__ == "__main__":

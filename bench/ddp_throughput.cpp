@@ -44,8 +44,9 @@
 //
 // The phases split Trainer::step exactly as it runs it (trainer.hpp; FP32,
 // no scheduler, so unscale is a no-op): forward (under the precision's
-// autocast scope), trainer.backward(loss), engine.synchronize_gradients()
-// (waiting for the bucket all-reduces / reduce-scatters that backward
+// autocast scope), backward (trainer.backward's engine calls and
+// loss.backward()), engine.synchronize_gradients() (the wait at the end of
+// trainer.backward for the bucket all-reduces / reduce-scatters that backward
 // launched), optimizer.step(), engine.after_optimizer_step() ("gather": ZeRO's
 // all-gather of the updated parameter shards; a no-op under DDP),
 // trainer.zero_grad().
@@ -241,9 +242,11 @@ int run(int argc, char** argv, const std::string& strategy_name) {
       loss = bench::loss_of(model, b);
     }
     const auto t1 = Clock::now();
-    trainer.backward(loss);
+    engine.set_gradient_sync(true);  // trainer.backward(loss), its wait timed apart below
+    engine.before_backward(loss);
+    loss.backward();
     const auto t2 = Clock::now();
-    engine.synchronize_gradients();  // = the first half of trainer.optimizer_step()
+    engine.synchronize_gradients();  // = the end of trainer.backward(loss)
     const auto t3 = Clock::now();
     optimizer.step();  // = its second half (FP32: no unscale, no scheduler here) ...
     const auto t4 = Clock::now();

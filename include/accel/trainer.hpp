@@ -46,9 +46,12 @@
 #include "accel/core/policies.hpp"
 #include "accel/core/rules.hpp"
 #include "accel/data/loader.hpp"
+#include "accel/data/split.hpp"
+#include "accel/data/torch_dataset.hpp"
 #include "accel/device/device.hpp"
 #include "accel/device/host_memory.hpp"
 #include "accel/device/out_of_memory.hpp"
+#include "accel/device/random_state.hpp"
 #include "accel/launch/settings.hpp"
 #include "accel/precision/autocast.hpp"
 #include "accel/precision/loss_scaling.hpp"
@@ -95,6 +98,10 @@ struct TrainerOptions {
   /// resident set follows what the strategy holds, for the price of fresh
   /// pages each step (ZeRO-3 measured 1.8x slower per step, DDP 2%).
   bool return_host_memory = false;
+  /// Accelerate's step_scheduler_with_optimizer: the prepared scheduler
+  /// steps once per data rank at each optimizer step (Accelerate's rule: its
+  /// schedule counts per-process batches). Off: once per optimizer step.
+  bool step_scheduler_with_optimizer = true;
 };
 
 namespace detail {
@@ -113,6 +120,30 @@ template <class T>
 concept module_holder = requires(T& m) {
   { m.ptr() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
 };
+
+// The three ways C++ code holds a model: a TORCH_MODULE holder, the Module
+// subclass object itself (`struct Net : torch::nn::Module`, owned by the
+// caller), or a std::shared_ptr to one.
+template <class T>
+concept module_object = std::derived_from<T, torch::nn::Module>;
+
+template <class T>
+concept module_pointer = requires { typename T::element_type; } &&
+                         std::same_as<T, std::shared_ptr<typename T::element_type>> &&
+                         std::derived_from<typename T::element_type, torch::nn::Module>;
+
+template <class T>
+concept model = module_holder<T> || module_object<T> || module_pointer<T>;
+
+// The model as the Trainer keeps it. An object the caller owns is not owned
+// here (an aliasing pointer with no owner): the caller keeps it alive, as it
+// keeps the optimizer.
+template <model T>
+std::shared_ptr<torch::nn::Module> module_of(T& m) {
+  if constexpr (module_holder<T>) return m.ptr();
+  else if constexpr (module_pointer<T>) return m;
+  else return std::shared_ptr<torch::nn::Module>(std::shared_ptr<void>(), &m);
+}
 
 template <class T>
 concept optimizer = std::derived_from<T, torch::optim::Optimizer>;
@@ -169,24 +200,47 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   // ------------------------------------------------------------ prepare
   /// Registers the model (moved to the device; under DDP rank 0's weights are
   /// broadcast and gradient hooks installed) and/or the optimizer.
+  /// A model may be a TORCH_MODULE holder (torch::nn::Linear, your
+  /// TORCH_MODULE(Net)), a torch::nn::Module subclass object you own (kept
+  /// by reference: it must outlive the Trainer) or a std::shared_ptr to one.
   template <class... Objects>
-    requires(sizeof...(Objects) > 0 &&
-             ((detail::module_holder<Objects> || detail::optimizer<Objects> || detail::lr_scheduler<Objects>) && ...))
+    requires(sizeof...(Objects) > 0)
   void prepare(Objects&... objects) {
+    static_assert(((detail::model<Objects> || detail::optimizer<Objects> || detail::lr_scheduler<Objects>) && ...),
+                  "accel: prepare() takes models, optimizers (torch::optim::Optimizer) and LR schedulers "
+                  "(torch::optim::LRScheduler); a model as a TORCH_MODULE holder (torch::nn::Linear, "
+                  "TORCH_MODULE(Net)), a torch::nn::Module subclass object you own (Net net; prepare(net)) or a "
+                  "std::shared_ptr<Net>; a dataset goes in prepare(dataset, {.batch_size = ...})");
     // Models first: sharding strategies plan around the model, then rewire the optimizer.
     (prepare_model_if<Objects>(objects), ...);
     (prepare_rest_if<Objects>(objects), ...);
   }
 
-  /// This rank's shard of `dataset`, batched (DistributedSampler semantics).
-  template <data::batched_dataset Dataset>
-  data::DataLoader<Dataset> prepare(Dataset dataset, LoaderOptions options) {
-    auto position = std::make_shared<data::LoaderPosition>();
-    loader_positions_.push_back(position);
-    // Tensor and pipeline peers read the same samples: shard over the data group.
-    auto& group = data_group();
-    return data::DataLoader<Dataset>(std::move(dataset), options, group.size(), group.rank(), device_, cursor_,
-                                     std::move(position));
+  /// This rank's shard of `dataset`, batched (Accelerate's prepared
+  /// DataLoader: data::Sharding). `dataset` is accel's (TensorDataset, or
+  /// anything with size() and get(indices)) or LibTorch's own
+  /// (torch::data, with its .map(...) chains: <accel/data/torch_dataset.hpp>).
+  template <class Dataset>
+    requires(data::batched_dataset<Dataset> || data::torch_dataset<Dataset>)
+  auto prepare(Dataset dataset, LoaderOptions options) {
+    return make_loader(std::move(dataset), options, {});
+  }
+
+  /// The same with a LibTorch sampler (torch::data::samplers::Sampler<>:
+  /// SequentialSampler, RandomSampler, your own) giving each epoch's order,
+  /// which the loader deals out to the ranks in batches as Accelerate's
+  /// BatchSamplerShard does. RandomSampler draws with options.seed + epoch,
+  /// the same on every rank (data::epoch_order_of).
+  template <class Dataset, data::torch_sampler Sampler>
+    requires(data::batched_dataset<Dataset> || data::torch_dataset<Dataset>)
+  auto prepare(Dataset dataset, LoaderOptions options, Sampler sampler) {
+    if (options.shuffle)
+      throw std::invalid_argument("accel: a loader with a sampler cannot also shuffle (the sampler gives the order, "
+                                  "as in PyTorch's DataLoader): drop .shuffle, or use a RandomSampler");
+    std::size_t size = 0;
+    if constexpr (data::torch_dataset<Dataset>) size = dataset.size().value_or(0);
+    else size = static_cast<std::size_t>(dataset.size());
+    return make_loader(std::move(dataset), options, data::epoch_order_of(std::move(sampler), size, options.seed));
   }
 
   // ------------------------------------------------------------ the step
@@ -266,38 +320,91 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// `loss.backward()` with the strategy's bookkeeping: the loss is divided
   /// by the accumulation steps (so k micro-batches equal one k times larger
   /// batch), scaled under FP16, and gradient communication is skipped on
-  /// non-final micro-steps.
+  /// non-final micro-steps and inside no_sync(). On a synchronising one the
+  /// gradients are final when it returns, averaged over the data ranks
+  /// (DDP's and Accelerate's contract: LibTorch's own clip_grad_norm_ or a
+  /// read of `.grad()` sees what one process on the global batch would).
+  /// Under BF16/FP16 the loss must come from a forward under autocast()
+  /// (or step(lambda)): a forward in fp32 is refused here, never trained on
+  /// silently (NOTE [Forward precision]).
   void backward(const at::Tensor& loss) {
+    check_forward_precision();
+    const bool sync = (sync_gradients_ && no_sync_depth_ == 0) || sync_next_backward_;
+    sync_next_backward_ = false;
     synchronized_ = false;
-    engine_.set_gradient_sync(sync_gradients_);
+    engine_.set_gradient_sync(sync);
     at::Tensor scaled = accumulation_steps_ == 1 ? loss : loss / accumulation_steps_;
     scaled = scaling_.scale_loss(scaled);
     engine_.before_backward(scaled);
     scaled.backward();
+    if (sync) ensure_synchronized();
+    // A no_sync() backward on a step that synchronises leaves local gradients a synchronising backward must average.
+    local_gradients_ = !sync && (local_gradients_ || sync_gradients_);
   }
+
+  /// Accelerate's no_sync(model) / DDP's no_sync(): backward passes inside
+  /// the scope accumulate gradients locally, without communication; the
+  /// first synchronising backward after it averages everything accumulated.
+  ///   { auto local = trainer.no_sync(); trainer.backward(loss); }
+  class NoSync {
+   public:
+    explicit NoSync(Trainer& trainer) : trainer_(trainer) { ++trainer_.no_sync_depth_; }
+    ~NoSync() { --trainer_.no_sync_depth_; }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    Trainer& trainer_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  /// Accelerate's trigger_sync_in_backward: the next backward synchronises
+  /// gradients even inside no_sync() or on an accumulating micro-step.
+  void trigger_sync_in_backward() { sync_next_backward_ = true; }
 
   /// On a synchronising micro-step: waits for gradient communication,
   /// unscales (FP16), then steps the optimizer unless a gradient overflowed
   /// on any rank, then the prepared scheduler. Elsewhere a no-op.
+  /// The prepared scheduler then steps as Accelerate's AcceleratedScheduler
+  /// does: once per data rank (the global batch is that many per-rank
+  /// batches), once under split_batches or with
+  /// TrainerOptions::step_scheduler_with_optimizer off, never after a
+  /// skipped step.
   void optimizer_step() {
     if (!sync_gradients_) return;
+    if (no_sync_depth_ > 0 || local_gradients_)
+      throw std::logic_error(std::string("accel: optimizer_step() ") +
+                             (no_sync_depth_ > 0 ? "inside no_sync()" : "after a backward inside no_sync()") +
+                             ": those gradients were never averaged over the ranks; end the step with a "
+                             "synchronising backward (outside no_sync(), or after trigger_sync_in_backward())");
     auto& optimizer = require_optimizer();
     ensure_synchronized();
     step_was_skipped_ = scaling_.unscale(engine_.optimizer_parameters(), comm_);
     if (!step_was_skipped_) {
       optimizer.step();
       engine_.after_optimizer_step();
-      if (scheduler_ != nullptr) {
-        scheduler_->step();
-        ++counters_.scheduler_steps;
-      }
+      if (scheduler_ != nullptr)
+        for (int i = scheduler_steps_per_optimizer_step(); i > 0; --i) {
+          scheduler_->step();
+          ++counters_.scheduler_steps;  // a checkpoint replays the calls
+        }
     }
     scaling_.update();
     ++counters_.optimizer_steps;
+    autocast_seen_ = false;
+  }
+
+  /// How many times the prepared scheduler steps per optimizer step
+  /// (Accelerate's AcceleratedScheduler rule).
+  int scheduler_steps_per_optimizer_step() {
+    if (!options_.step_scheduler_with_optimizer || split_batches_) return 1;
+    return data_group().size();
   }
 
   void zero_grad() {
-    if (sync_gradients_) engine_.zero_grad(require_optimizer());
+    if (!sync_gradients_) return;
+    engine_.zero_grad(require_optimizer());
+    local_gradients_ = false;
   }
 
   /// Whether this micro-step synchronises gradients and steps (Accelerate's
@@ -328,7 +435,10 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   }
 
   /// The forward-pass autocast scope for this trainer's precision and device.
-  precision::AutocastScope<Precision> autocast() const { return precision::AutocastScope<Precision>(device_.type()); }
+  precision::AutocastScope<Precision> autocast() const {
+    autocast_seen_ = true;
+    return precision::AutocastScope<Precision>(device_.type());
+  }
 
   // ------------------------------------------------------------ collectives
   /// Every rank's `tensor` concatenated along dimension 0, in rank order.
@@ -383,6 +493,45 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   std::vector<T> gather_object(const T& object) {
     return comm::gather_object(data_group(), object);
   }
+  /// A vector is gathered as Accelerate gathers a list: the ranks' vectors
+  /// concatenated in rank order ([0] and [1] give [0, 1]).
+  template <class T>
+  std::vector<T> gather_object(const std::vector<T>& objects) {
+    std::vector<T> out;
+    for (auto& part : comm::gather_object(data_group(), objects))
+      out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+    return out;
+  }
+
+  /// Accelerate's split_between_processes: this rank's contiguous share of
+  /// `inputs`, which every rank holds whole (a std::vector, a std::map of
+  /// equally long vectors or tensors, a tensor along dimension 0, or a
+  /// dataset, as a data::Subset); the first ranks take one more where it
+  /// does not divide. apply_padding pads every share to the longest with the
+  /// last item. Over the data ranks (tensor and pipeline peers get the same
+  /// share). A value, not Accelerate's `with` block.
+  template <class Inputs>
+  auto split_between_processes(Inputs inputs, bool apply_padding = false) {
+    auto& group = data_group();
+    return data::split_between_processes(std::move(inputs), group.rank(), group.size(), apply_padding);
+  }
+
+  /// Accelerate's skip_first_batches: `loader`'s next pass starts `count`
+  /// batches into its epoch; returns the loader.
+  template <class Dataset>
+  data::DataLoader<Dataset>& skip_first_batches(data::DataLoader<Dataset>& loader, std::int64_t count) {
+    return loader.skip_first_batches(count);
+  }
+
+  /// Accelerate's synchronize_rng_states: every rank's CPU generator (and
+  /// its GPU's, on CUDA) set to rank 0's state, e.g. before drawing the same
+  /// random augmentation or noise everywhere. A collective.
+  void synchronize_rng_states() {
+    auto states = device::random_states(device_);
+    for (std::size_t i = 0; i < states.size(); ++i)
+      comm_.broadcast(states[i], 0, "synchronize_rng_states (generator " + std::to_string(i) + ")");
+    device::restore_random_states(device_, states);
+  }
 
   /// `tensor` padded with `pad_value` along `dim` to the largest size any
   /// rank has there (at the start with `pad_first`), so that ragged
@@ -425,6 +574,19 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   template <class F>
   void on_local_main_process(F&& fn) const {
     if (is_local_main_process()) std::forward<F>(fn)();
+  }
+  /// Runs `fn` on the process of rank `process_index` only (Accelerate's on_process).
+  template <class F>
+  void on_process(int process_index, F&& fn) const {
+    if (process_index < 0 || process_index >= num_processes())
+      throw std::invalid_argument("accel: on_process(" + std::to_string(process_index) + ") with " +
+                                  std::to_string(num_processes()) + " processes");
+    if (world_.rank == process_index) std::forward<F>(fn)();
+  }
+  /// Runs `fn` on the last process only (Accelerate's on_last_process).
+  template <class F>
+  void on_last_process(F&& fn) const {
+    if (is_last_process()) std::forward<F>(fn)();
   }
   // ------------------------------------------------------------ trackers and progress
   /// Starts the trackers (TrainerOptions::log_with, plus any of your own
@@ -561,6 +723,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   int num_processes() const { return world_.world_size; }
   bool is_main_process() const { return world_.rank == 0; }
   bool is_local_main_process() const { return world_.local_rank == 0; }
+  bool is_last_process() const { return world_.rank == world_.world_size - 1; }
 
   /// Prints on the main process only (one line, space-separated).
   template <class... Args>
@@ -602,17 +765,34 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     }
   }
 
+  template <class Dataset>
+  auto make_loader(Dataset dataset, LoaderOptions options, data::EpochOrder order) {
+    if constexpr (data::torch_dataset<Dataset>) {
+      return make_loader(data::TorchDataset<Dataset>(std::move(dataset)), options, std::move(order));
+    } else {
+      auto position = std::make_shared<data::LoaderPosition>();
+      loader_positions_.push_back(position);
+      split_batches_ = split_batches_ || options.split_batches;
+      // Tensor and pipeline peers read the same samples: shard over the data group.
+      auto& group = data_group();
+      return data::DataLoader<Dataset>(std::move(dataset), options, group.size(), group.rank(), device_, cursor_,
+                                       std::move(position), std::move(order));
+    }
+  }
+
   template <class T>
   void prepare_model_if(T& object) {
-    if constexpr (detail::module_holder<T>) {
-      if (detail::built_on_meta(*object.ptr())) {
-        engine_.prepare_meta_model(*object.ptr(), device_);  // its values computed where they are kept
+    if constexpr (detail::model<T>) {
+      std::shared_ptr<torch::nn::Module> module = detail::module_of(object);
+      if (detail::built_on_meta(*module)) {
+        engine_.prepare_meta_model(*module, device_);  // its values computed where they are kept
       } else {
-        object->to(device_);
-        engine_.prepare_model(*object.ptr());
+        module->to(device_);
+        engine_.prepare_model(*module);
       }
-      models_.push_back(object.ptr());
-      if constexpr (std::is_same_v<T, torch::nn::Sequential>) sequential_ = object;
+      models_.push_back(module);
+      if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module))
+        sequential_ = torch::nn::Sequential(std::move(sequential));
     }
   }
 
@@ -636,6 +816,23 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     } else {
       ++counters_.micro_steps;
       sync_gradients_ = counters_.micro_steps % accumulation_steps_ == 0;
+    }
+  }
+
+  // NOTE [Forward precision]
+  // Accelerate wraps the model's forward in autocast at prepare. A C++
+  // Module's forward is not virtual and cannot be wrapped, so a BF16/FP16
+  // Trainer asks for the forward to run inside autocast() (step(lambda) does
+  // it) and refuses a backward when no autocast scope was opened since the
+  // last optimizer step and none is open: the loss would come from an fp32
+  // forward and the run would silently train in fp32.
+  void check_forward_precision() const {
+    if constexpr (precision::uses_autocast<Precision>) {
+      if (!autocast_seen_ && !compat::autocast_enabled(device_.type()))
+        throw std::logic_error(
+            std::string("accel: backward() on a Trainer with mixed_precision=") + Precision::name +
+            " got a loss whose forward ran outside autocast, so in fp32: compute it inside "
+            "`{ auto scope = trainer.autocast(); loss = ...; }` or use trainer.step([&] { return loss; })");
     }
   }
 
@@ -718,6 +915,11 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   int accumulation_steps_ = 1;
   bool sync_gradients_ = true;
   bool synchronized_ = false;
+  int no_sync_depth_ = 0;
+  bool local_gradients_ = false;  // a no_sync() backward since the last synchronising one
+  bool sync_next_backward_ = false;
+  mutable bool autocast_seen_ = false;  // an autocast() scope opened since the last optimizer step
+  bool split_batches_ = false;          // a prepared loader splits the global batch: the scheduler steps once
   bool step_was_skipped_ = false;
   checkpoint::StepCounters counters_;
   std::vector<std::shared_ptr<torch::nn::Module>> models_;

@@ -394,6 +394,20 @@ TEST_CASE("launch: a failing rank takes the job down and nothing is left running
   CHECK(process_gone(sleeper_child));
 }
 
+TEST_CASE("launch: the failed rank's last lines on stderr close the report, after the other ranks' output") {
+  TempDir dir;
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then echo 'loading data' >&2; echo 'error: data.bin is missing' >&2; exit 1; "
+      "else sleep 30; fi";
+  auto r = launch_sh({"--num_processes", "2"}, script, dir);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 1);
+  CHECK(contains(r.err, "exited with status 1; terminated the other ranks; its last lines on stderr:\n"
+                        "  [rank 1] loading data\n  [rank 1] error: data.bin is missing\n"));
+  CHECK(!contains(r.err, "flight recorder"));  // an error of its own, not a collective's
+}
+
 TEST_CASE("launch: --max_restarts starts the whole job again after a rank fails, then gives up naming it") {
   TempDir dir;
   // Rank 1 fails in the first two starts; each start sees its restart count (torchrun's variables).

@@ -151,6 +151,31 @@ inline std::string test_python() {
   return python != nullptr && *python != 0 ? python : "/usr/bin/python3";
 }
 
+/// For the tests against the Python Accelerate: exits the test binary with
+/// meson's SKIP (77), saying why, where test_python() has no accelerate.
+inline void require_accelerate() {
+  const std::string probe = test_python() + " -c 'import accelerate' 2>/dev/null";
+  if (std::system(probe.c_str()) != 0) {
+    std::printf("SKIP: %s has no accelerate (bash tools/run.sh test with ACCEL_TORCH=pypi installs it)\n",
+                test_python().c_str());
+    std::exit(77);
+  }
+}
+
+#ifdef ACCEL_SOURCE_ROOT  // test_torch's; the CUDA test binary has no use for the parity script
+/// What `bench/accelerate_parity.py ARGS` prints (it must exit 0).
+inline std::string run_accelerate_parity(const std::string& args) {
+  const std::string command = test_python() + " " ACCEL_SOURCE_ROOT "/bench/accelerate_parity.py " + args + " 2>/dev/null";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
+  std::string text;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) text += buffer;
+  if (::pclose(pipe) != 0) throw std::runtime_error(command + " failed");
+  return text;
+}
+#endif
+
 inline std::string temp_path(const std::string& name) {
   return "/tmp/accel_test_" + std::to_string(::getpid()) + "_" + name;
 }

@@ -357,8 +357,7 @@ TEST_SUITE("checkpoint") {
               if (!resume && ++batches == 3) break;
             }
             if (!resume) trainer.save_state(dir);
-            std::vector<std::int64_t> all;
-            for (const auto& part : trainer.gather_object(read)) all.insert(all.end(), part.begin(), part.end());
+            const std::vector<std::int64_t> all = trainer.gather_object(read);  // the ranks' lists, concatenated
             if (trainer.is_main_process()) {
               std::ofstream out(record);
               for (auto i : all) out << i << "\n";

@@ -226,8 +226,8 @@ void overflow_on_one_rank_skips_everywhere(Strategy strategy, const std::string&
   };
   auto step = [&](std::int64_t i, bool plant_inf) {
     auto batch = global_batch(i, 4 * data);
+    // backward returns with the gradients reduced (Trainer::backward).
     trainer.backward(scaler.scale_loss(cross_entropy(net->forward(batch.x.narrow(0, d * 4, 4)), batch.y.narrow(0, d * 4, 4))));
-    engine.synchronize_gradients();
     if (plant_inf && planter) {
       bool planted = false;
       for (const auto& p : engine.optimizer_parameters())

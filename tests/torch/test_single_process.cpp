@@ -372,12 +372,7 @@ TEST_SUITE("single_process") {
 // reports SKIP (exit 77) and says why.
 TEST_SUITE("accelerate") {
   TEST_CASE("the loader's default order is Accelerate's, index for index, with even_batches off and split_batches too") {
-    const std::string probe = test_python() + " -c 'import accelerate' 2>/dev/null";
-    if (std::system(probe.c_str()) != 0) {
-      std::printf("SKIP: %s has no accelerate (bash tools/run.sh test with ACCEL_TORCH=pypi installs it)\n",
-                  test_python().c_str());
-      std::exit(77);
-    }
+    require_accelerate();
     struct Case {
       std::int64_t samples; int world; std::int64_t batch; bool shuffle; std::uint64_t seed; std::int64_t epoch;
       bool drop_last; bool uneven = false; bool split = false;
@@ -392,18 +387,11 @@ TEST_SUITE("accelerate") {
     for (const auto& c : cases) {
       CAPTURE(c.samples); CAPTURE(c.world); CAPTURE(c.batch); CAPTURE(c.shuffle); CAPTURE(c.drop_last);
       CAPTURE(c.uneven); CAPTURE(c.split);
-      const std::string command = test_python() + " " + ACCEL_SOURCE_ROOT "/bench/accelerate_parity.py sampler" +
-                                  " --samples " + std::to_string(c.samples) + " --world " + std::to_string(c.world) +
-                                  " --batch_size " + std::to_string(c.batch) + (c.shuffle ? " --shuffle" : "") +
-                                  " --seed " + std::to_string(c.seed) + " --epoch " + std::to_string(c.epoch) +
-                                  (c.drop_last ? " --drop_last" : "") + (c.uneven ? " --uneven" : "") +
-                                  (c.split ? " --split_batches" : "") + " 2>/dev/null";
-      FILE* pipe = ::popen(command.c_str(), "r");
-      REQUIRE(pipe != nullptr);
-      std::string text;
-      char buffer[4096];
-      while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) text += buffer;
-      REQUIRE(::pclose(pipe) == 0);
+      const std::string text = run_accelerate_parity(
+          "sampler --samples " + std::to_string(c.samples) + " --world " + std::to_string(c.world) +
+          " --batch_size " + std::to_string(c.batch) + (c.shuffle ? " --shuffle" : "") + " --seed " +
+          std::to_string(c.seed) + " --epoch " + std::to_string(c.epoch) + (c.drop_last ? " --drop_last" : "") +
+          (c.uneven ? " --uneven" : "") + (c.split ? " --split_batches" : ""));
       const auto expected = nlohmann::json::parse(text).get<std::vector<std::vector<std::int64_t>>>();
       REQUIRE(expected.size() == static_cast<std::size_t>(c.world));
       for (int rank = 0; rank < c.world; ++rank) {

@@ -75,6 +75,21 @@ class FlightRecords {
     }
   }
 
+  /// Whether `rank`'s record holds a collective that failed: its failure
+  /// was in communication (a peer gone, a timeout), which the screen
+  /// explains, rather than an error of its own.
+  bool failed_in_collective(int rank) const {
+    std::ifstream in(dir_ / ("rank_" + std::to_string(rank) + ".json"));
+    if (!in) return false;
+    try {
+      for (const auto& e : nlohmann::json::parse(in).at("entries"))
+        if (e.at("state").get<std::string>() == "failed") return true;
+    } catch (const std::exception&) {
+      // a torn or foreign file: as if absent
+    }
+    return false;
+  }
+
   /// The summary of the records this start's ranks wrote ("" when none did).
   std::string summary(const std::vector<int>& expected) const {
     std::vector<nlohmann::json> records;

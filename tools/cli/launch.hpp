@@ -130,6 +130,7 @@ namespace detail {
 struct Attempt {
   launch::JobOutcome outcome;
   std::string start_error;  ///< a rank could not be started (the others were stopped)
+  std::vector<std::string> failed_rank_lines;  ///< the failed rank's last lines on stderr
 };
 
 /// Starts this machine's ranks once (`restart` counts the starts before this
@@ -211,6 +212,7 @@ inline Attempt run_attempt(const JobPlan& plan, const std::string& executable, c
   });
   attempt.outcome = supervisor.wait(timeout, grace, idle, stop);
   pump.drain(std::chrono::milliseconds(1000));
+  if (attempt.outcome.first_failure) attempt.failed_rank_lines = pump.last_error_lines(attempt.outcome.first_failure->rank);
   return attempt;
 }
 
@@ -265,7 +267,13 @@ inline int run_launch(JobPlan plan, const std::vector<std::string>& program) {
     }
     attempt = detail::run_attempt(plan, executable, program, restart, left, records);
     const auto& outcome = attempt.outcome;
-    if ((outcome.first_failure || outcome.timed_out) && !outcome.interrupted) print_records();
+    // The screen explains a hang or a failure in communication: a timeout, a rank killed, or a rank whose
+    // collective failed. A rank that exited on an error of its own (a bad flag, a missing file) has its
+    // message above; the others' records would only show them waiting for it.
+    const auto& failed = outcome.first_failure;
+    if (!outcome.interrupted &&
+        (outcome.timed_out || (failed && (failed->signaled || records.failed_in_collective(failed->rank)))))
+      print_records();
     if (!outcome.first_failure || !attempt.start_error.empty() || outcome.timed_out || outcome.interrupted ||
         restart == plan.max_restarts)
       break;
@@ -285,11 +293,14 @@ inline int run_launch(JobPlan plan, const std::vector<std::string>& program) {
   if (outcome.first_failure) {
     const auto& failed = *outcome.first_failure;
     const bool others_were_running = static_cast<int>(outcome.exits.size()) < plan.local_processes;
-    std::fprintf(stderr, "accel launch: %s%s%s\n", outcome.describe().c_str(),
+    std::string last_lines;  // the failed rank's own words, after everyone else's output
+    for (const auto& line : attempt.failed_rank_lines) last_lines += "\n  [rank " + std::to_string(failed.rank) + "] " + line;
+    std::fprintf(stderr, "accel launch: %s%s%s%s%s\n", outcome.describe().c_str(),
                  others_were_running ? "; terminated the other ranks" : "",
                  plan.max_restarts > 0 ? ("; no restarts left (--max_restarts " + std::to_string(plan.max_restarts) +
                                           ")").c_str()
-                                       : "");
+                                       : "",
+                 last_lines.empty() ? "" : "; its last lines on stderr:", last_lines.c_str());
     return failed.signaled ? exit_rank_killed : failed.status;
   }
   if (outcome.timed_out) {

@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <deque>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -30,8 +31,17 @@ class OutputPump {
   /// `target_fd` (1 or 2).
   void add(int rank, int fd, int target_fd) {
     ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-    streams_.push_back({"[rank " + std::to_string(rank) + "] ", fd, target_fd, {}});
+    streams_.push_back({"[rank " + std::to_string(rank) + "] ", fd, target_fd, {}, rank, {}});
   }
+
+  /// The last lines `rank` wrote to standard error (at most kept_lines), for
+  /// the launcher's closing report of a failed rank.
+  std::vector<std::string> last_error_lines(int rank) const {
+    for (const auto& stream : streams_)
+      if (stream.rank == rank && stream.target == STDERR_FILENO) return {stream.last.begin(), stream.last.end()};
+    return {};
+  }
+  static constexpr std::size_t kept_lines = 5;
 
   /// Waits up to `timeout_ms` for output and forwards whatever arrived.
   void pump(int timeout_ms) {
@@ -72,6 +82,8 @@ class OutputPump {
     int fd;
     int target;
     std::string partial;  ///< a line still waiting for its newline
+    int rank;
+    std::deque<std::string> last;  ///< the last complete lines (stderr only)
   };
 
   // A rank that never writes a newline must not grow the buffer forever.
@@ -107,6 +119,7 @@ class OutputPump {
       out += stream.prefix;
       out += stream.partial;
       out.append(data.substr(start, nl + 1 - start));
+      remember(stream, stream.partial + std::string(data.substr(start, nl - start)));
       stream.partial.clear();
       start = nl + 1;
     }
@@ -118,8 +131,15 @@ class OutputPump {
     write_all(stream.target, out);
   }
 
+  static void remember(Stream& stream, std::string line) {
+    if (stream.target != STDERR_FILENO || line.empty()) return;
+    stream.last.push_back(std::move(line));
+    if (stream.last.size() > kept_lines) stream.last.pop_front();
+  }
+
   static void flush_partial(Stream& stream) {
     if (stream.partial.empty()) return;
+    remember(stream, stream.partial);
     write_all(stream.target, stream.prefix + stream.partial + "\n");
     stream.partial.clear();
   }

@@ -150,10 +150,12 @@ int main() {
   run("rendezvous", [&] {
     const std::vector<std::string> mine{std::to_string(rank), std::to_string(trainer->num_processes()),
                                         std::to_string(trainer->local_process_index()), host_name()};
-    const auto all = trainer->gather_object(mine);
+    const auto all = trainer->gather_object(mine);  // a list per rank, concatenated (Accelerate's gather_object)
+    if (all.size() != mine.size() * static_cast<std::size_t>(n))
+      return Outcome{"gather_object gave " + std::to_string(all.size()) + " items for " + std::to_string(n) + " ranks"};
     for (int r = 0; r < n; ++r)
-      if (all[r][0] != std::to_string(r) || all[r][1] != std::to_string(n))
-        return Outcome{"rank " + std::to_string(r) + " says it is rank " + all[r][0] + " of " + all[r][1]};
+      if (all[4 * r] != std::to_string(r) || all[4 * r + 1] != std::to_string(n))
+        return Outcome{"rank " + std::to_string(r) + " says it is rank " + all[4 * r] + " of " + all[4 * r + 1]};
     return Outcome{};
   });
   for (auto& [name, check] : collective_checks(comm, at::Device(at::kCPU))) run("gloo " + name, check);
@@ -205,7 +207,8 @@ int main() {
   // Every rank's outcomes to rank 0, which prints them.
   std::vector<std::string> failures;
   for (auto& [name, outcome] : results) failures.push_back(outcome ? name + ": " + *outcome : "");
-  const auto everyone = trainer->gather_object(failures);
+  // One list per rank: wrapped, since gather_object concatenates the ranks' lists (Accelerate's rule).
+  const auto everyone = trainer->gather_object(std::vector<std::vector<std::string>>{failures});
   if (!trainer->is_main_process()) return std::any_of(failures.begin(), failures.end(), [](auto& f) { return !f.empty(); });
   std::cout << "accel test: " << n << " process" << (n == 1 ? "" : "es") << ", LibTorch " << TORCH_VERSION << "\n";
   bool all_passed = true;

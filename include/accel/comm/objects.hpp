@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -67,6 +68,33 @@ inline std::vector<at::Tensor> all_gather_rows(Communicator& comm, const at::Ten
   return parts;
 }
 
+/// Debug mode (Accelerate's ACCELERATE_DEBUG_MODE): every rank's shape, so
+/// that tensors differing in a dimension other than the padded one fail
+/// here, naming each rank's shape, instead of in a later gather.
+inline void check_other_dimensions_agree(Communicator& comm, const at::Tensor& tensor, std::int64_t dim) {
+  constexpr std::int64_t most = 16;  // dimensions compared; LibTorch allows 64, nobody pads such tensors
+  at::Tensor shape = at::full({most + 1}, -1, at::TensorOptions().dtype(at::kLong));
+  shape[0] = tensor.dim();
+  for (std::int64_t d = 0; d < std::min(tensor.dim(), most); ++d) shape[d + 1] = d == dim ? -2 : tensor.size(d);
+  const auto shapes = comm.all_gather(shape, "pad_across_processes (debug mode: every rank's shape)");
+  auto text = [&](const at::Tensor& s) {
+    std::string out = "[";
+    for (std::int64_t d = 0; d < std::min(s[0].item<std::int64_t>(), most); ++d) {
+      const std::int64_t v = s[d + 1].item<std::int64_t>();
+      out += (d ? ", " : "") + (v == -2 ? std::string("*") : std::to_string(v));
+    }
+    return out + "]";
+  };
+  for (std::size_t r = 1; r < shapes.size(); ++r)
+    if (!shapes[r].equal(shapes[0])) {
+      std::string each;
+      for (std::size_t k = 0; k < shapes.size(); ++k) each += "\n  rank " + std::to_string(k) + ": " + text(shapes[k]);
+      throw std::invalid_argument("accel: pad_across_processes (debug mode): the ranks' tensors differ in a "
+                                  "dimension other than the padded one (" + std::to_string(dim) +
+                                  ", shown as *), so they cannot be gathered:" + each);
+    }
+}
+
 /// `tensor` padded with `pad_value` along `dim` to the largest size any rank
 /// has there (at the end, or at the start with `pad_first`), so that the
 /// ranks' tensors can be gathered. Every other dimension must agree.
@@ -78,6 +106,7 @@ inline at::Tensor pad_across_processes(Communicator& comm, const at::Tensor& ten
     throw std::invalid_argument("accel: pad_across_processes: dimension " + std::to_string(dim) +
                                 " is out of range for a tensor of " + std::to_string(tensor.dim()) + " dimensions");
   if (!comm.distributed()) return tensor;
+  if (comm.debug()) check_other_dimensions_agree(comm, tensor, dim);
   at::Tensor size = at::full({1}, tensor.size(dim), at::TensorOptions().dtype(at::kLong));
   comm.all_reduce_max(size, "pad_across_processes (sizes)");
   const std::int64_t longest = size.item<std::int64_t>();

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "accel/data/dataset.hpp"
+#include "accel/data/prefetch.hpp"
 #include "accel/data/sampler.hpp"
 
 namespace accel::data {
@@ -39,6 +40,13 @@ struct LoaderOptions {
   /// get must take no indices), and gather_for_metrics gathers the ragged
   /// batches. For evaluation: an empty batch has no loss to train on.
   bool even_batches = true;
+  /// PyTorch's num_workers: threads that load the next batches in the
+  /// background while the loop trains (0: loaded in the loop, as before).
+  /// The order is unchanged; the dataset's get() must be safe to call from
+  /// several threads at once (data/prefetch.hpp).
+  int num_workers = 0;
+  /// PyTorch's prefetch_factor: batches loaded ahead per worker.
+  int prefetch_factor = 2;
 };
 
 /// The options one rank's loader runs with: under split_batches, its share
@@ -76,11 +84,20 @@ struct LoaderPosition {
   std::int64_t batches = 0;      ///< per epoch on this rank: a position at the end is the next epoch's start
 };
 
+/// A loader's position as torchdata's StatefulDataLoader hands it out
+/// (state_dict / load_state_dict), for code that keeps it itself; save_state
+/// records the same in its checkpoints. In samples the data ranks have read
+/// together, so it resumes on another number of ranks or batch size too.
+struct LoaderState {
+  std::int64_t epoch = 0;
+  std::int64_t samples_read = 0;  ///< in `epoch`, by all data ranks together
+};
+
 template <batched_dataset Dataset>
 class DataLoader {
  public:
   DataLoader(Dataset dataset, LoaderOptions options, int world_size, int rank, at::Device device,
-             std::shared_ptr<LoaderCursor> cursor, std::shared_ptr<LoaderPosition> position)
+             std::shared_ptr<LoaderCursor> cursor, std::shared_ptr<LoaderPosition> position, EpochOrder order = {})
       : dataset_(std::move(dataset)),
         options_(per_rank_options(options, world_size)),
         sampler_(std::make_unique<DistributedSampler>(
@@ -90,25 +107,62 @@ class DataLoader {
                            .drop_last = options_.drop_last && options_.sharding == Sharding::batches,
                            .sharding = options_.sharding,
                            .batch_size = options_.batch_size,
-                           .even_batches = options_.even_batches})),
+                           .even_batches = options_.even_batches},
+            std::move(order))),
         device_(device),
+        world_size_(world_size),
         cursor_(std::move(cursor)),
         position_(std::move(position)) {
     if (options_.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
+    if (options_.num_workers < 0 || options_.prefetch_factor < 1)
+      throw std::invalid_argument("accel: num_workers must be at least 0 and prefetch_factor at least 1");
     position_->batch_size = options_.batch_size;
     position_->batches = size();
   }
 
-  /// Reshuffle for `epoch` (same permutation on every rank). After
-  /// load_state the loader is already at the saved epoch.
+  /// Reshuffle for `epoch` (same permutation on every rank). Not needed in
+  /// a loop over epochs: as Accelerate's prepared loader, each pass read to
+  /// its end makes the next pass the next epoch (NOTE [Epochs]). After
+  /// load_state the loader is already at the saved epoch; setting the epoch
+  /// it is at, after a whole pass, reads that epoch again.
   void set_epoch(std::int64_t epoch) {
     if (epoch != position_->epoch) {
       position_->epoch = epoch;
       position_->next_batch = 0;
       position_->skip = 0;
+    } else if (finished_pass()) {
+      position_->next_batch = 0;
     }
   }
+  /// The epoch of the current pass (of the next one, once a pass ended and
+  /// begin() started the next).
   std::int64_t epoch() const { return position_->epoch; }
+
+  /// Where the loader is: the epoch and the samples its ranks have read in
+  /// it (a pass read to its end is the next epoch's start).
+  LoaderState state_dict() const {
+    if (finished_pass()) return {position_->epoch + 1, 0};
+    return {position_->epoch, position_->next_batch * options_.batch_size * world_size_};
+  }
+  /// Resumes where `state` was taken: the next pass reads `state.epoch`
+  /// from the first batch not yet read (whole batches of this loader).
+  void load_state_dict(const LoaderState& state) {
+    if (state.epoch < 0 || state.samples_read < 0)
+      throw std::invalid_argument("accel: load_state_dict: a negative epoch or sample count");
+    position_->epoch = state.epoch;
+    position_->skip = state.samples_read / (options_.batch_size * world_size_);
+    position_->next_batch = position_->skip;
+  }
+
+  /// Accelerate's skip_first_batches: the next pass starts `count` batches
+  /// into its epoch (e.g. to resume mid-epoch by hand); the pass after it
+  /// is whole again.
+  DataLoader& skip_first_batches(std::int64_t count) {
+    if (count < 0) throw std::invalid_argument("accel: skip_first_batches needs a count of at least 0");
+    if (finished_pass()) start_next_epoch();
+    position_->skip = count;
+    return *this;
+  }
 
   /// Batches per epoch on this rank (the same on every rank unless even_batches is off).
   std::int64_t size() const {
@@ -117,31 +171,63 @@ class DataLoader {
   }
   const DistributedSampler& sampler() const { return *sampler_; }
 
+  /// An input iterator: `*it` loads its batch once and hands out a
+  /// reference to it, so `auto`, `auto&` and `const auto&` loops all work.
   class iterator {
    public:
     using value_type = Batch;
+    using reference = Batch&;
     using difference_type = std::ptrdiff_t;
     iterator() = default;
     iterator(DataLoader* loader, at::Tensor indices, std::int64_t batch) : loader_(loader), indices_(std::move(indices)), batch_(batch) {}
-    Batch operator*() const { return loader_->load(indices_, batch_); }
-    iterator& operator++() { ++batch_; return *this; }
-    void operator++(int) { ++batch_; }
+    Batch& operator*() const {
+      if (!loaded_) {
+        current_ = loader_->load(indices_, batch_);
+        loaded_ = true;
+      }
+      return current_;
+    }
+    Batch* operator->() const { return &**this; }
+    iterator& operator++() {
+      ++batch_;
+      loaded_ = false;
+      return *this;
+    }
+    void operator++(int) { ++*this; }
     bool operator==(const iterator& other) const { return batch_ == other.batch_; }
 
    private:
     DataLoader* loader_ = nullptr;
     at::Tensor indices_;
     std::int64_t batch_ = 0;
+    mutable Batch current_;
+    mutable bool loaded_ = false;
   };
 
-  /// Starts a pass over the current epoch; after load_state, past the
-  /// batches the interrupted run had already read (skip_first_batches).
+  // NOTE [Epochs]
+  // Accelerate's DataLoaderShard counts its passes: each pass read to its
+  // end makes the next one the next epoch, so a shuffled loader reshuffles
+  // every epoch without set_epoch (PyTorch's DistributedSampler alone would
+  // repeat its order). A pass left early (a `break`) does not count, and
+  // set_epoch still sets the epoch as before. A checkpoint taken at the end
+  // of a pass saves the next epoch's start (checkpoint/state.hpp).
+
+  /// Starts a pass: the next epoch when the last pass was read to its end,
+  /// else the current one; after load_state, past the batches the
+  /// interrupted run had already read.
   iterator begin() {
+    if (finished_pass()) start_next_epoch();
     sampler_->set_epoch(position_->epoch);
     const std::int64_t first = std::min(position_->skip, size());
     position_->skip = 0;
     position_->next_batch = first;
-    return iterator(this, sampler_->indices(), first);
+    at::Tensor indices = sampler_->indices();
+    prefetcher_.reset();  // a pass left early: its workers stop
+    if (options_.num_workers > 0)
+      prefetcher_ = std::make_unique<Prefetcher>([this, indices](std::int64_t batch) { return fetch(indices, batch); },
+                                                 first, size(), options_.num_workers,
+                                                 options_.num_workers * options_.prefetch_factor);
+    return iterator(this, std::move(indices), first);
   }
   iterator end() { return iterator(this, {}, size()); }
 
@@ -151,20 +237,38 @@ class DataLoader {
     const std::int64_t count = std::clamp<std::int64_t>(indices.size(0) - first, 0, options_.batch_size);
     *cursor_ = LoaderCursor{sampler_.get(), sampler_->epoch(), batch, first, count, batch + 1 == size()};
     position_->next_batch = batch + 1;
-    Batch b = dataset_.get(indices.slice(0, first, first + count));
+    Batch b = prefetcher_ ? prefetcher_->take(batch) : fetch(indices, batch);
     if (b.data.device() != device_) {
       b.data = b.data.to(device_);
-      b.target = b.target.to(device_);
+      if (b.target.defined()) b.target = b.target.to(device_);  // a dataset without targets has none
     }
     return b;
+  }
+
+  // The dataset's batch `batch` of this pass's `indices` (on a worker thread with num_workers).
+  Batch fetch(const at::Tensor& indices, std::int64_t batch) const {
+    const std::int64_t first = batch * options_.batch_size;
+    const std::int64_t count = std::clamp<std::int64_t>(indices.size(0) - first, 0, options_.batch_size);
+    return dataset_.get(indices.slice(0, first, first + count));
+  }
+
+  bool finished_pass() const {
+    const std::int64_t batches = size();
+    return batches > 0 && position_->next_batch >= batches;
+  }
+  void start_next_epoch() {
+    ++position_->epoch;
+    position_->next_batch = 0;
   }
 
   Dataset dataset_;
   LoaderOptions options_;
   std::unique_ptr<DistributedSampler> sampler_;  // stable address: the cursor points at it
   at::Device device_;
+  int world_size_;  // the data ranks
   std::shared_ptr<LoaderCursor> cursor_;
   std::shared_ptr<LoaderPosition> position_;
+  std::unique_ptr<Prefetcher> prefetcher_;  // this pass's workers (num_workers > 0); declared last: stopped first
 };
 
 }  // namespace accel::data

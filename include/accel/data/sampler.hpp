@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 #include <stdexcept>
 
@@ -45,10 +47,22 @@ struct SamplerOptions {
   bool even_batches = true;     ///< pad the tail so every rank reads as many samples
 };
 
+/// A user's order of the samples for an epoch (int64 indices, the same on
+/// every rank and of the same length each epoch): what a wrapped LibTorch
+/// sampler yields. It replaces the shuffled or sequential order; the
+/// sharding, padding and dropping stay the loader's (Accelerate's
+/// BatchSamplerShard around the user's sampler).
+using EpochOrder = std::function<at::Tensor(std::int64_t epoch)>;
+
 class DistributedSampler {
  public:
-  DistributedSampler(std::int64_t dataset_size, int num_replicas, int rank, SamplerOptions options)
-      : size_(dataset_size), replicas_(num_replicas), rank_(rank), options_(options) {
+  DistributedSampler(std::int64_t dataset_size, int num_replicas, int rank, SamplerOptions options,
+                     EpochOrder order = {})
+      : size_(order ? order(0).size(0) : dataset_size),
+        replicas_(num_replicas),
+        rank_(rank),
+        options_(options),
+        order_(std::move(order)) {
     if (dataset_size <= 0) throw std::invalid_argument("accel: cannot shard an empty dataset");
     if (options.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
     if (options.drop_last && dataset_size < num_replicas * unit())
@@ -117,7 +131,13 @@ class DistributedSampler {
 
   at::Tensor global_order() const {
     at::Tensor order;
-    if (options_.shuffle) {
+    if (order_) {
+      order = order_(epoch_);
+      if (order.size(0) != size_)
+        throw std::invalid_argument("accel: the sampler gave " + std::to_string(order.size(0)) + " indices for epoch " +
+                                    std::to_string(epoch_) + " but " + std::to_string(size_) +
+                                    " for epoch 0: a wrapped sampler must give as many every epoch");
+    } else if (options_.shuffle) {
       auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.seed + static_cast<std::uint64_t>(epoch_));
       order = at::randperm(size_, generator, at::TensorOptions().dtype(at::kLong));
     } else {
@@ -141,6 +161,7 @@ class DistributedSampler {
   int replicas_;
   int rank_;
   SamplerOptions options_;
+  EpochOrder order_;
   std::int64_t epoch_ = 0;
 };
 

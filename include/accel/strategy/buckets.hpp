@@ -27,6 +27,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -276,14 +277,31 @@ class BucketedEngineBase : public EngineDefaults {
   /// among the other ranks into `received`, (n-1)/n of the bucket, with the
   /// bucket as scratch: it is dropped after the step); finish_reduce_scatter
   /// completes it after the wait.
+  ///
+  /// NOTE [Several backward passes before a step]
+  /// Once a synchronising backward has reduced into the shards
+  /// (shards_hold_reduced), a second one before the step (a GAN's
+  /// discriminator: backward on the real batch, backward on the fake one)
+  /// reduce-scatters into a fresh tensor beside the shard, and
+  /// finish_reduce_scatter adds it: the shard holds the sum of the averaged
+  /// passes, as DDP's gradients do, instead of the last pass alone.
   comm::Pending reduce_scatter_bucket(std::size_t b, at::Tensor& shard, at::Tensor& received, std::string what) {
     auto& grad = state_->buckets[b].grad;
-    return comm::reduce_scatter_rows_async(*state_->comm, shard, grad, received, grad, std::move(what));
+    if (landing_.size() < state_->buckets.size()) landing_.resize(state_->buckets.size());
+    landing_[b] = shards_hold_reduced_ ? at::zeros_like(shard) : shard;
+    return comm::reduce_scatter_rows_async(*state_->comm, landing_[b], grad, received, grad, std::move(what));
   }
 
-  void finish_reduce_scatter(at::Tensor& shard, at::Tensor& received) {
-    comm::finish_reduce_scatter_rows(*state_->comm, shard, received);
+  void finish_reduce_scatter(std::size_t b, at::Tensor& shard, at::Tensor& received) {
+    at::Tensor& landed = landing_.at(b);
+    comm::finish_reduce_scatter_rows(*state_->comm, landed, received);
+    if (!landed.is_same(shard)) shard.add_(landed);
+    landed = at::Tensor();
   }
+
+  /// The shards hold this step's reduced gradients (synchronize_gradients
+  /// sets it, zero_grad clears it): see NOTE [Several backward passes before a step].
+  void set_shards_hold_reduced(bool held) { shards_hold_reduced_ = held; }
 
   /// Drops the full-size gradient buffers (and the parameters' views of
   /// them): between steps a sharding strategy keeps only the shards.
@@ -344,6 +362,8 @@ class BucketedEngineBase : public EngineDefaults {
 
   std::vector<compat::NodeHandle> accumulators_;
   std::vector<std::uintptr_t> hook_keys_;
+  std::vector<at::Tensor> landing_;   // per bucket: where its reduce-scatter lands (the shard, or beside it)
+  bool shards_hold_reduced_ = false;  // NOTE [Several backward passes before a step]
 };
 
 // The functions compiled once (NOTE [Compiled once]).

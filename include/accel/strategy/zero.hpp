@@ -112,10 +112,13 @@ class ZeROEngine : public BucketedEngineBase {
 
   void synchronize_gradients() {
     wait_for_buckets(work_, [&](std::size_t b) {
-      if constexpr (Stage == 2) finish_reduce_scatter(grad_shards_[b], received_[b]);
+      if constexpr (Stage == 2) finish_reduce_scatter(b, grad_shards_[b], received_[b]);
     });
     if (offload_.enabled()) offload_.gradients_to_host(device_gradient_shards());
-    if constexpr (Stage == 2) release_full_gradients();
+    if constexpr (Stage == 2) {
+      release_full_gradients();
+      set_shards_hold_reduced(true);
+    }
   }
 
   /// The updated shards, all-gathered back into every rank's full parameters.
@@ -140,6 +143,7 @@ class ZeROEngine : public BucketedEngineBase {
       state_->attach_grad_views();
     } else {
       for (auto& g : grad_shards_) g.zero_();
+      set_shards_hold_reduced(false);
       for (auto& bucket : state_->buckets)  // those a no_sync micro-step left
         if (bucket.grad.defined()) bucket.grad.zero_();
       state_->attach_grad_views();
@@ -199,7 +203,7 @@ class ZeROEngine : public BucketedEngineBase {
 
   // Lazy buckets: the launched ones' reduce-scatters landed, summed, their full gradients dropped.
   void retire_launched() {
-    retire_launched_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(grad_shards_[b], received_[b]); });
+    retire_launched_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(b, grad_shards_[b], received_[b]); });
   }
 
   void launch(std::size_t b) {

@@ -394,8 +394,9 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   /// The reduce-scatter alone (HybridShard averages the shards across
   /// replicas before they are offloaded).
   void reduce_gradients() {
-    wait_for_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(grad_shards_[b], received_[b]); });
+    wait_for_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(b, grad_shards_[b], received_[b]); });
     release_full_gradients();
+    set_shards_hold_reduced(true);
     z3_->backward = false;
     z3_->reshard_all();
   }
@@ -411,6 +412,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
 
   void zero_grad(torch::optim::Optimizer&) {
     for (auto& g : grad_shards_) g.zero_();
+    set_shards_hold_reduced(false);
     if (offload_.enabled()) offload_.zero_grad();
   }
 
@@ -516,7 +518,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
 
   // Lazy buckets: the launched ones' reduce-scatters landed, summed, their full gradients dropped.
   void retire_launched() {
-    retire_launched_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(grad_shards_[b], received_[b]); });
+    retire_launched_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(b, grad_shards_[b], received_[b]); });
   }
 
   void launch(std::size_t b) {
