@@ -13,7 +13,8 @@
         the indices Accelerate's prepared DataLoader gives each rank, as JSON
         (tests/torch/test_accelerate.cpp compares accel's loader with it); --reverse
         with a user sampler (the indices backwards), --passes K: K passes
-        without set_epoch, as a list of passes
+        without set_epoch, as a list of passes; --iterable: the samples as an
+        IterableDataset (Accelerate's IterableDatasetShard)
     torchrun --nproc_per_node N accelerate_parity.py surface --out F
         what Accelerate's calls give on N ranks (the scheduler's learning
         rates, gather_object, split_between_processes), as JSON in F
@@ -154,6 +155,16 @@ class ReverseSampler(torch.utils.data.Sampler):
         return self.n
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset: the samples 0..n-1 as a stream."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter((torch.tensor(i),) for i in range(self.n))
+
+
 def sampler(args):
     """Accelerate's own sharding of a prepared DataLoader, rank by rank."""
     from accelerate.data_loader import prepare_data_loader
@@ -161,7 +172,9 @@ def sampler(args):
     per_rank = []
     for rank in range(args.world):
         dataset = TensorDataset(torch.arange(args.samples))
-        if args.reverse:
+        if args.iterable:
+            loader = DataLoader(Stream(args.samples), batch_size=args.batch_size, drop_last=args.drop_last)
+        elif args.reverse:
             loader = DataLoader(dataset, batch_size=args.batch_size, sampler=ReverseSampler(args.samples),
                                 drop_last=args.drop_last)
         else:
@@ -261,6 +274,7 @@ def main():
     p.add_argument("--split_batches", action="store_true", help="--batch_size is the global batch")
     p.add_argument("--reverse", action="store_true", help="a user sampler: the samples backwards")
     p.add_argument("--passes", type=int, default=0, help="passes without set_epoch (a list of passes per rank)")
+    p.add_argument("--iterable", action="store_true", help="the samples as an IterableDataset")
     p = sub.add_parser("surface")
     p.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -45,6 +45,7 @@
 #include "accel/core/errors.hpp"
 #include "accel/core/policies.hpp"
 #include "accel/core/rules.hpp"
+#include "accel/data/iterable.hpp"
 #include "accel/data/loader.hpp"
 #include "accel/data/split.hpp"
 #include "accel/data/torch_dataset.hpp"
@@ -224,6 +225,18 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     requires(data::batched_dataset<Dataset> || data::torch_dataset<Dataset>)
   auto prepare(Dataset dataset, LoaderOptions options) {
     return make_loader(std::move(dataset), options, {});
+  }
+
+  /// This rank's share of an iterable (streaming) dataset, a range of
+  /// examples read from its begin() each pass: every rank reads the stream
+  /// and keeps its batch of each group of ranks x batch_size samples, as
+  /// Accelerate's IterableDatasetShard (<accel/data/iterable.hpp>).
+  template <data::iterable_dataset Range>
+  data::IterableLoader<Range> prepare(Range range, LoaderOptions options) {
+    auto& group = data_group();
+    split_batches_ = split_batches_ || options.split_batches;
+    return data::IterableLoader<Range>(std::move(range), options, group.size(), group.rank(), device_, cursor_,
+                                       register_loader());
   }
 
   /// The same with a LibTorch sampler (torch::data::samplers::Sampler<>:
@@ -461,9 +474,13 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     if (cursor.sampler != nullptr && !cursor.sampler->even())  // no padding to drop; batches may differ in size
       return at::cat(comm::all_gather_rows(group, tensor, "gather_for_metrics"), 0);
     auto parts = group.all_gather(tensor, "gather_for_metrics");
-    if (cursor.sampler == nullptr || tensor.size(0) != cursor.count) return at::cat(parts, 0);
-    for (int r = 0; r < group.size(); ++r)
-      parts[r] = parts[r].narrow(0, 0, cursor.sampler->real_in(r, cursor.first, cursor.count));
+    if (tensor.size(0) != cursor.count) return at::cat(parts, 0);
+    for (int r = 0; r < group.size(); ++r) {
+      if (cursor.sampler != nullptr)
+        parts[r] = parts[r].narrow(0, 0, cursor.sampler->real_in(r, cursor.first, cursor.count));
+      else if (cursor.real_in_step >= 0)  // an iterable loader's last batch, filled from the stream's head
+        parts[r] = parts[r].narrow(0, 0, std::clamp<std::int64_t>(cursor.real_in_step - r * cursor.count, 0, cursor.count));
+    }
     return at::cat(parts, 0);
   }
 
@@ -558,6 +575,34 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   }
 
   void wait_for_everyone() { comm_.barrier(); }
+
+  /// Accelerate's free_memory: forgets every prepared model, optimizer,
+  /// scheduler, loader and registered object, takes the strategy's hooks off
+  /// the models and drops its buckets and shards (a fresh engine), resets the
+  /// step counters, and returns the device's cached blocks, so the Trainer
+  /// can prepare the next ones (a search's next trial). Every rank calls it.
+  /// The models are left whole and plain (ZeRO-3 gathers its shards back,
+  /// as when a Trainer ends; a model built on meta goes back to meta).
+  /// Loaders already returned keep working but are no longer saved in
+  /// checkpoints.
+  void free_memory() {
+    if (no_sync_depth_ > 0) throw std::logic_error("accel: free_memory() inside a no_sync() scope: leave it first");
+    std::destroy_at(&engine_);
+    std::construct_at(&engine_, strategy_, comm_);
+    models_.clear();
+    optimizer_ = nullptr;
+    scheduler_ = nullptr;
+    sequential_ = torch::nn::Sequential(nullptr);
+    custom_.clear();
+    loader_positions_.clear();
+    *cursor_ = data::LoaderCursor{};
+    counters_ = {};
+    scaling_ = precision::LossScaling<Precision>(precision_);
+    sync_gradients_ = true;
+    synchronized_ = false;
+    local_gradients_ = sync_next_backward_ = autocast_seen_ = split_batches_ = step_was_skipped_ = false;
+    if constexpr (std::is_same_v<Device, CUDA>) compat::cuda_empty_cache();
+  }
 
   /// Accelerate's main_process_first: the block holding the returned object
   /// runs on the main process before the others (which wait at its start);
@@ -770,14 +815,19 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     if constexpr (data::torch_dataset<Dataset>) {
       return make_loader(data::TorchDataset<Dataset>(std::move(dataset)), options, std::move(order));
     } else {
-      auto position = std::make_shared<data::LoaderPosition>();
-      loader_positions_.push_back(position);
       split_batches_ = split_batches_ || options.split_batches;
       // Tensor and pipeline peers read the same samples: shard over the data group.
       auto& group = data_group();
       return data::DataLoader<Dataset>(std::move(dataset), options, group.size(), group.rank(), device_, cursor_,
-                                       std::move(position), std::move(order));
+                                       register_loader(), std::move(order));
     }
+  }
+
+  // A new loader's position, which checkpoints save and restore.
+  std::shared_ptr<data::LoaderPosition> register_loader() {
+    auto position = std::make_shared<data::LoaderPosition>();
+    loader_positions_.push_back(position);
+    return position;
   }
 
   template <class T>
@@ -809,7 +859,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
 
   void begin_micro_step() {
     const auto& cursor = *cursor_;
-    const bool end_of_epoch = options_.sync_with_dataloader && cursor.sampler != nullptr && cursor.last_in_epoch;
+    const bool end_of_epoch = options_.sync_with_dataloader && cursor.batch >= 0 && cursor.last_in_epoch;
     if (end_of_epoch) {
       counters_.micro_steps = 0;
       sync_gradients_ = true;

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <ranges>
 #include <set>
 #include <type_traits>
 
@@ -118,9 +119,86 @@ std::vector<std::int64_t> read_targets(Trainer&, Loader& loader) {
   return mine;
 }
 
+// An iterable dataset as a stream that shuffles itself: told each pass's
+// epoch, it yields 0..n-1 on even epochs and n-1..0 on odd ones.
+struct Stream {
+  std::int64_t n = 0;
+  std::vector<torch::data::Example<>> items{};
+  void set_epoch(std::int64_t epoch) {
+    items.clear();
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t v = epoch % 2 == 0 ? i : n - 1 - i;
+      items.push_back({at::full({2}, static_cast<double>(v)), at::full({}, v)});
+    }
+  }
+  auto begin() { return items.begin(); }
+  auto end() { return items.end(); }
+};
+
+// A lazy stream with no set_epoch: a view over 0..n-1.
+auto numbers_view(std::int64_t n) {
+  return std::views::iota(std::int64_t{0}, n) | std::views::transform([](std::int64_t i) {
+           return torch::data::Example<>{at::full({2}, static_cast<double>(i)), at::full({}, i)};
+         });
+}
+
+// Each rank's 4 samples of a global batch of 8 (rank r's seeded with 10 + r).
+std::pair<at::Tensor, at::Tensor> rank_batch(int r) {
+  at::manual_seed(10 + r);
+  return {at::randn({4, 8}), at::randint(0, 4, {4})};
+}
+
+at::Tensor flat_params(torch::nn::Module& m) {
+  std::vector<at::Tensor> parts;
+  for (auto& p : m.parameters()) parts.push_back(p.detach().reshape({-1}).clone());
+  return at::cat(parts);
+}
+
+// Two trials in one Trainer with free_memory between them: the first model
+// keeps no hooks (its gradients stay local), the second trains as one
+// process on the global batch.
+template <class Strategy>
+void two_trials(int world, int rank) {
+  accel::Trainer<Strategy> trainer;
+  const auto [x, y] = rank_batch(rank);
+  Net first;
+  torch::optim::SGD first_optimizer(first.parameters(), 0.1);
+  trainer.prepare(first, first_optimizer);
+  trainer.step([&] { return net_loss(first, x, y); });
+  trainer.free_memory();
+  first.zero_grad();
+  net_loss(first, x, y).backward();
+  const auto local = trainer.gather(flat_grads(first).unsqueeze(0));
+  require(!at::allclose(local[0], local[1]), "after free_memory the first model's gradients stay local");
+
+  Net second, reference;
+  torch::optim::SGD second_optimizer(second.parameters(), 0.1), reference_optimizer(reference.parameters(), 0.1);
+  trainer.prepare(second, second_optimizer);
+  trainer.step([&] { return net_loss(second, x, y); });
+  std::vector<at::Tensor> xs, ys;
+  for (int r = 0; r < world; ++r) {
+    auto [rx, ry] = rank_batch(r);
+    xs.push_back(rx);
+    ys.push_back(ry);
+  }
+  net_loss(reference, at::cat(xs), at::cat(ys)).backward();
+  reference_optimizer.step();
+  const double diff = (flat_params(second) - flat_params(reference)).abs().max().template item<double>();
+  require(diff < 1e-6, "the second trial equals one process on the global batch, off by " + std::to_string(diff));
+}
+
 }  // namespace
 
 TEST_SUITE("porting") {
+  TEST_CASE("free_memory: a second trial in the same Trainer under DDP, ZeRO-2 and ZeRO-3; the first model keeps no "
+            "hooks") {
+    spawn_each({2}, [](int world, int rank) {
+      two_trials<accel::DDP>(world, rank);
+      two_trials<accel::ZeRO<2>>(world, rank);
+      two_trials<accel::ZeRO<3>>(world, rank);
+    });
+  }
+
   TEST_CASE("prepare takes a Module subclass object by reference and a std::shared_ptr to one; gradients are the "
             "one-process average when backward returns") {
     // The bound: float32 sums of the same 8 rows in two orders (measured 0 to 3e-8).
@@ -421,6 +499,83 @@ TEST_SUITE("porting") {
     });
   }
 
+  TEST_CASE("an iterable dataset, sharded as Accelerate's IterableDatasetShard: gathered in stream order, the short "
+            "last group filled from the head (dropped by gather_for_metrics) or dropped, the epoch told to the stream, "
+            "resumed mid-epoch, the epoch's last batch synchronises") {
+    spawn_each({1, 2, 3}, [](int world, int rank) {
+      accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.gradient_accumulation_steps = 4});
+      auto gathered_pass = [&](auto& loader, std::vector<std::int64_t>* local = nullptr) {
+        std::vector<std::int64_t> all;
+        for (auto& batch : loader) {
+          require(batch.target.size(0) == 2 || world == 1, "full batches on every rank (one process: a short last one)");
+          if (local) {
+            const auto t = ints(batch.target);
+            local->insert(local->end(), t.begin(), t.end());
+          }
+          const auto g = ints(trainer.gather_for_metrics(batch.target));
+          all.insert(all.end(), g.begin(), g.end());
+        }
+        return all;
+      };
+      auto range = [](std::int64_t from, std::int64_t to, bool down = false) {
+        std::vector<std::int64_t> v;
+        for (std::int64_t i = from; i < to; ++i) v.push_back(down ? to - 1 - (i - from) : i);
+        return v;
+      };
+      const std::int64_t n = 11;
+      auto stream = trainer.prepare(Stream{.n = n}, {.batch_size = 2});
+      std::vector<std::int64_t> local;
+      require(gathered_pass(stream, &local) == range(0, n), "pass 0: every sample once, in stream order");
+      const std::int64_t groups = (n + 2 * world - 1) / (2 * world);
+      require(static_cast<std::int64_t>(local.size()) == (world == 1 ? n : 2 * groups),
+              "one batch per group of ranks x batch_size");
+      // Rank r's last batch: positions 2r, 2r+1 of the last group; past the stream's end, the first group again.
+      const std::int64_t group = 2 * world, last = (groups - 1) * group, real = n - last;
+      for (std::int64_t k = 0; k < 2 && world > 1; ++k) {
+        const std::int64_t p = 2 * rank + k;
+        const std::int64_t head = std::min<std::int64_t>(group, n);
+        const std::int64_t expected = p < real ? last + p : (p - real) % head;
+        require(local[local.size() - 2 + static_cast<std::size_t>(k)] == expected, "the last group filled from the head");
+      }
+      require(gathered_pass(stream) == range(0, n, true), "pass 1: the stream was told epoch 1 (it reverses)");
+      require(stream.epoch() == 1, "the epoch advanced with each pass");
+
+      auto dropping = trainer.prepare(numbers_view(n), {.batch_size = 2, .drop_last = true});
+      require(gathered_pass(dropping) == range(0, n / group * group), "drop_last: the short group dropped");
+
+      // Mid-epoch resume: two batches read, the state taken, a new loader skips what was read.
+      auto first = trainer.prepare(numbers_view(20), {.batch_size = 2});
+      int read = 0;
+      for (auto& batch : first) {
+        (void)batch;
+        if (++read == 2) break;
+      }
+      const auto state = first.state_dict();
+      require(state.epoch == 0 && state.samples_read == 2 * group, "the state counts the groups read");
+      auto resumed = trainer.prepare(numbers_view(20), {.batch_size = 2});
+      resumed.load_state_dict(state);
+      require(gathered_pass(resumed) == range(2 * group, 20), "the resumed pass starts after the groups read");
+      require(resumed.state_dict().epoch == 1 && resumed.state_dict().samples_read == 0, "a finished pass: next epoch");
+
+      // sync_with_dataloader: with 4 accumulation steps, the epoch's last batch synchronises.
+      auto short_stream = trainer.prepare(numbers_view(3 * group), {.batch_size = 2});
+      std::vector<bool> syncs;
+      for (auto& batch : short_stream) {
+        (void)batch;
+        auto micro = trainer.accumulate();
+        syncs.push_back(trainer.sync_gradients());
+      }
+      require(syncs == std::vector<bool>{false, false, true}, "the last of 3 batches synchronises");
+    });
+    accel::Trainer<> trainer;
+    CHECK_THROWS_WITH_AS((void)trainer.prepare(numbers_view(4), {.batch_size = 2, .shuffle = true}),
+                         doctest::Contains("cannot be shuffled"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS((void)trainer.prepare(numbers_view(4), {.batch_size = 2, .num_workers = 2}),
+                         doctest::Contains("read in order by one reader"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS((void)trainer.prepare(numbers_view(4), {.batch_size = 2, .even_batches = false}),
+                         doctest::Contains("even_batches = false"), std::invalid_argument);
+  }
+
   TEST_CASE("the scheduler steps once per data rank at each optimizer step (Accelerate's rule), once with "
             "step_scheduler_with_optimizer off or split_batches") {
     // lr 0.1, halved every 2 scheduler steps, 5 optimizer steps.
@@ -613,6 +768,34 @@ TEST_SUITE("accelerate") {
         } else {
           for (int p = 0; p < 3; ++p) CHECK(pass() == expected[rank][p].get<std::vector<std::int64_t>>());
         }
+      }
+    }
+  }
+
+  TEST_CASE("an iterable dataset: Accelerate's IterableDatasetShard's order, rank for rank") {
+    require_accelerate();
+    struct Case { std::int64_t samples; int world; std::int64_t batch; bool drop_last; bool split; };
+    for (const Case c : {Case{11, 1, 2, false, false}, Case{11, 2, 2, false, false}, Case{12, 3, 2, false, false},
+                         Case{11, 2, 2, true, false},
+                         Case{10, 3, 3, false, true}, Case{2, 3, 2, false, false}}) {
+      CAPTURE(c.samples); CAPTURE(c.world); CAPTURE(c.batch); CAPTURE(c.drop_last); CAPTURE(c.split);
+      const auto expected = nlohmann::json::parse(run_accelerate_parity(
+          "sampler --iterable --samples " + std::to_string(c.samples) + " --world " + std::to_string(c.world) +
+          " --batch_size " + std::to_string(c.batch) + (c.drop_last ? " --drop_last" : "") +
+          (c.split ? " --split_batches" : "")));
+      for (int rank = 0; rank < c.world; ++rank) {
+        CAPTURE(rank);
+        accel::data::IterableLoader loader(numbers_view(c.samples),
+                                           {.batch_size = c.batch, .drop_last = c.drop_last, .split_batches = c.split},
+                                           c.world, rank, at::Device(at::kCPU),
+                                           std::make_shared<accel::data::LoaderCursor>(),
+                                           std::make_shared<accel::data::LoaderPosition>());
+        std::vector<std::int64_t> read;
+        for (auto& batch : loader) {
+          const auto t = ints(batch.target);
+          read.insert(read.end(), t.begin(), t.end());
+        }
+        CHECK(read == expected[rank].get<std::vector<std::int64_t>>());
       }
     }
   }

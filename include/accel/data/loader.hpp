@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <memory>
@@ -72,6 +73,10 @@ struct LoaderCursor {
   std::int64_t first = 0;      ///< first local position of the batch
   std::int64_t count = 0;      ///< samples in the batch (on every rank, unless even_batches is off)
   bool last_in_epoch = false;  ///< gradient accumulation syncs at the end of an epoch
+  /// An iterable dataset's loader (no sampler): how many of the step's
+  /// ranks x count samples, in rank order, are real; the rest were filled
+  /// from the stream's head (data/iterable.hpp). -1: all of them.
+  std::int64_t real_in_step = -1;
 };
 
 /// A loader's place in its data, saved in checkpoints so a resumed run reads
@@ -93,38 +98,33 @@ struct LoaderState {
   std::int64_t samples_read = 0;  ///< in `epoch`, by all data ranks together
 };
 
-template <batched_dataset Dataset>
-class DataLoader {
- public:
-  DataLoader(Dataset dataset, LoaderOptions options, int world_size, int rank, at::Device device,
-             std::shared_ptr<LoaderCursor> cursor, std::shared_ptr<LoaderPosition> position, EpochOrder order = {})
-      : dataset_(std::move(dataset)),
-        options_(per_rank_options(options, world_size)),
-        sampler_(std::make_unique<DistributedSampler>(
-            dataset_.size(), world_size, rank,
-            SamplerOptions{.shuffle = options_.shuffle,
-                           .seed = options_.seed,
-                           .drop_last = options_.drop_last && options_.sharding == Sharding::batches,
-                           .sharding = options_.sharding,
-                           .batch_size = options_.batch_size,
-                           .even_batches = options_.even_batches},
-            std::move(order))),
-        device_(device),
-        world_size_(world_size),
-        cursor_(std::move(cursor)),
-        position_(std::move(position)) {
-    if (options_.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
-    if (options_.num_workers < 0 || options_.prefetch_factor < 1)
-      throw std::invalid_argument("accel: num_workers must be at least 0 and prefetch_factor at least 1");
-    position_->batch_size = options_.batch_size;
-    position_->batches = size();
-  }
+/// The member types of a loader's input iterator (over Batches, `*it` a reference).
+struct BatchIteratorTypes {
+  using value_type = Batch;
+  using reference = Batch&;
+  using difference_type = std::ptrdiff_t;
+};
 
-  /// Reshuffle for `epoch` (same permutation on every rank). Not needed in
-  /// a loop over epochs: as Accelerate's prepared loader, each pass read to
-  /// its end makes the next pass the next epoch (NOTE [Epochs]). After
-  /// load_state the loader is already at the saved epoch; setting the epoch
-  /// it is at, after a whole pass, reads that epoch again.
+// NOTE [Epochs]
+// Accelerate's DataLoaderShard counts its passes: each pass read to its
+// end makes the next one the next epoch, so a shuffled loader reshuffles
+// every epoch without set_epoch (PyTorch's DistributedSampler alone would
+// repeat its order). A pass left early (a `break`) does not count, and
+// set_epoch still sets the epoch as before. A checkpoint taken at the end
+// of a pass saves the next epoch's start (checkpoint/state.hpp).
+
+/// The epoch and pass bookkeeping both loaders share (NOTE [Epochs]), on
+/// the LoaderPosition the trainer's checkpoints save; `samples_per_batch`
+/// is one batch of every data rank together.
+template <class Loader>
+class LoaderPasses {
+ public:
+  /// Sets the epoch the next pass reads (a shuffled loader reshuffles for
+  /// it, the same on every rank). Not needed in a loop over epochs: as
+  /// Accelerate's prepared loader, each pass read to its end makes the next
+  /// pass the next epoch. After load_state the loader is already at the
+  /// saved epoch; setting the epoch it is at, after a whole pass, reads that
+  /// epoch again.
   void set_epoch(std::int64_t epoch) {
     if (epoch != position_->epoch) {
       position_->epoch = epoch;
@@ -142,7 +142,7 @@ class DataLoader {
   /// it (a pass read to its end is the next epoch's start).
   LoaderState state_dict() const {
     if (finished_pass()) return {position_->epoch + 1, 0};
-    return {position_->epoch, position_->next_batch * options_.batch_size * world_size_};
+    return {position_->epoch, position_->next_batch * samples_per_batch_};
   }
   /// Resumes where `state` was taken: the next pass reads `state.epoch`
   /// from the first batch not yet read (whole batches of this loader).
@@ -150,18 +150,75 @@ class DataLoader {
     if (state.epoch < 0 || state.samples_read < 0)
       throw std::invalid_argument("accel: load_state_dict: a negative epoch or sample count");
     position_->epoch = state.epoch;
-    position_->skip = state.samples_read / (options_.batch_size * world_size_);
+    position_->skip = state.samples_read / samples_per_batch_;
     position_->next_batch = position_->skip;
   }
-
   /// Accelerate's skip_first_batches: the next pass starts `count` batches
   /// into its epoch (e.g. to resume mid-epoch by hand); the pass after it
   /// is whole again.
-  DataLoader& skip_first_batches(std::int64_t count) {
+  Loader& skip_first_batches(std::int64_t count) {
     if (count < 0) throw std::invalid_argument("accel: skip_first_batches needs a count of at least 0");
     if (finished_pass()) start_next_epoch();
     position_->skip = count;
-    return *this;
+    return static_cast<Loader&>(*this);
+  }
+
+ protected:
+  LoaderPasses(std::shared_ptr<LoaderPosition> position, std::int64_t samples_per_batch)
+      : position_(std::move(position)), samples_per_batch_(samples_per_batch) {}
+
+  /// Starts a pass: the next epoch when the last pass was read to its end,
+  /// else the current one. Returns the first batch to read (past those to
+  /// skip, at most `batches`).
+  std::int64_t begin_pass(std::int64_t batches) {
+    if (finished_pass()) start_next_epoch();
+    const std::int64_t first = std::min(position_->skip, batches);
+    position_->skip = 0;
+    position_->next_batch = first;
+    return first;
+  }
+  void served(std::int64_t batch) { position_->next_batch = batch + 1; }
+  /// An iterable loader learns its epoch's length at the end of the stream.
+  void set_batches(std::int64_t batches) { position_->batches = batches; }
+  std::int64_t batches() const { return position_->batches; }
+
+ private:
+  bool finished_pass() const { return position_->batches > 0 && position_->next_batch >= position_->batches; }
+  void start_next_epoch() {
+    ++position_->epoch;
+    position_->next_batch = 0;
+  }
+
+  std::shared_ptr<LoaderPosition> position_;
+  std::int64_t samples_per_batch_;
+};
+
+template <batched_dataset Dataset>
+class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
+  using Passes = LoaderPasses<DataLoader<Dataset>>;
+
+ public:
+  DataLoader(Dataset dataset, LoaderOptions options, int world_size, int rank, at::Device device,
+             std::shared_ptr<LoaderCursor> cursor, std::shared_ptr<LoaderPosition> position, EpochOrder order = {})
+      : Passes(position, per_rank_options(options, world_size).batch_size * world_size),
+        dataset_(std::move(dataset)),
+        options_(per_rank_options(options, world_size)),
+        sampler_(std::make_unique<DistributedSampler>(
+            dataset_.size(), world_size, rank,
+            SamplerOptions{.shuffle = options_.shuffle,
+                           .seed = options_.seed,
+                           .drop_last = options_.drop_last && options_.sharding == Sharding::batches,
+                           .sharding = options_.sharding,
+                           .batch_size = options_.batch_size,
+                           .even_batches = options_.even_batches},
+            std::move(order))),
+        device_(device),
+        cursor_(std::move(cursor)) {
+    if (options_.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
+    if (options_.num_workers < 0 || options_.prefetch_factor < 1)
+      throw std::invalid_argument("accel: num_workers must be at least 0 and prefetch_factor at least 1");
+    position->batch_size = options_.batch_size;
+    this->set_batches(size());
   }
 
   /// Batches per epoch on this rank (the same on every rank unless even_batches is off).
@@ -173,11 +230,8 @@ class DataLoader {
 
   /// An input iterator: `*it` loads its batch once and hands out a
   /// reference to it, so `auto`, `auto&` and `const auto&` loops all work.
-  class iterator {
+  class iterator : public BatchIteratorTypes {
    public:
-    using value_type = Batch;
-    using reference = Batch&;
-    using difference_type = std::ptrdiff_t;
     iterator() = default;
     iterator(DataLoader* loader, at::Tensor indices, std::int64_t batch) : loader_(loader), indices_(std::move(indices)), batch_(batch) {}
     Batch& operator*() const {
@@ -204,23 +258,12 @@ class DataLoader {
     mutable bool loaded_ = false;
   };
 
-  // NOTE [Epochs]
-  // Accelerate's DataLoaderShard counts its passes: each pass read to its
-  // end makes the next one the next epoch, so a shuffled loader reshuffles
-  // every epoch without set_epoch (PyTorch's DistributedSampler alone would
-  // repeat its order). A pass left early (a `break`) does not count, and
-  // set_epoch still sets the epoch as before. A checkpoint taken at the end
-  // of a pass saves the next epoch's start (checkpoint/state.hpp).
-
-  /// Starts a pass: the next epoch when the last pass was read to its end,
-  /// else the current one; after load_state, past the batches the
-  /// interrupted run had already read.
+  /// Starts a pass (NOTE [Epochs]): the next epoch when the last pass was
+  /// read to its end, else the current one; after load_state, past the
+  /// batches the interrupted run had already read.
   iterator begin() {
-    if (finished_pass()) start_next_epoch();
-    sampler_->set_epoch(position_->epoch);
-    const std::int64_t first = std::min(position_->skip, size());
-    position_->skip = 0;
-    position_->next_batch = first;
+    const std::int64_t first = this->begin_pass(size());
+    sampler_->set_epoch(this->epoch());
     at::Tensor indices = sampler_->indices();
     prefetcher_.reset();  // a pass left early: its workers stop
     if (options_.num_workers > 0)
@@ -236,7 +279,7 @@ class DataLoader {
     const std::int64_t first = batch * options_.batch_size;
     const std::int64_t count = std::clamp<std::int64_t>(indices.size(0) - first, 0, options_.batch_size);
     *cursor_ = LoaderCursor{sampler_.get(), sampler_->epoch(), batch, first, count, batch + 1 == size()};
-    position_->next_batch = batch + 1;
+    this->served(batch);
     Batch b = prefetcher_ ? prefetcher_->take(batch) : fetch(indices, batch);
     if (b.data.device() != device_) {
       b.data = b.data.to(device_);
@@ -252,22 +295,11 @@ class DataLoader {
     return dataset_.get(indices.slice(0, first, first + count));
   }
 
-  bool finished_pass() const {
-    const std::int64_t batches = size();
-    return batches > 0 && position_->next_batch >= batches;
-  }
-  void start_next_epoch() {
-    ++position_->epoch;
-    position_->next_batch = 0;
-  }
-
   Dataset dataset_;
   LoaderOptions options_;
   std::unique_ptr<DistributedSampler> sampler_;  // stable address: the cursor points at it
   at::Device device_;
-  int world_size_;  // the data ranks
   std::shared_ptr<LoaderCursor> cursor_;
-  std::shared_ptr<LoaderPosition> position_;
   std::unique_ptr<Prefetcher> prefetcher_;  // this pass's workers (num_workers > 0); declared last: stopped first
 };
 

@@ -11,6 +11,8 @@
 // be safe to call concurrently (TensorDataset and torch::data's map chains
 // over in-memory data are; a dataset reading one file handle is not).
 
+#include <ATen/Parallel.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -30,6 +32,11 @@ class Prefetcher {
   /// Fetches batches [first, end) with `fetch(batch)` on `workers` threads.
   Prefetcher(std::function<Batch(std::int64_t)> fetch, std::int64_t first, std::int64_t end, int workers, int depth)
       : fetch_(std::move(fetch)), next_to_fetch_(first), next_to_take_(first), end_(end), depth_(depth) {
+    // In a forked rank LibTorch rebuilds its thread pool for the first
+    // thread that sets up its intra-op threads; new threads doing so at
+    // once race (LibTorch 1.13: "Invalid thread pool!"), so this thread
+    // does it before the workers start.
+    at::init_num_threads();
     for (int w = 0; w < workers; ++w) threads_.emplace_back([this] { work(); });
   }
   Prefetcher(const Prefetcher&) = delete;

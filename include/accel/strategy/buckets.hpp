@@ -292,8 +292,11 @@ class BucketedEngineBase : public EngineDefaults {
     return comm::reduce_scatter_rows_async(*state_->comm, landing_[b], grad, received, grad, std::move(what));
   }
 
+  /// Idempotent: the retire and wait paths may both reach a bucket, and a
+  /// bucket that launched nothing this step has nothing landed.
   void finish_reduce_scatter(std::size_t b, at::Tensor& shard, at::Tensor& received) {
-    at::Tensor& landed = landing_.at(b);
+    if (b >= landing_.size() || !landing_[b].defined()) return;
+    at::Tensor& landed = landing_[b];
     comm::finish_reduce_scatter_rows(*state_->comm, landed, received);
     if (!landed.is_same(shard)) shard.add_(landed);
     landed = at::Tensor();
