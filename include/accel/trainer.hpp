@@ -253,7 +253,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     std::size_t size = 0;
     if constexpr (data::torch_dataset<Dataset>) size = dataset.size().value_or(0);
     else size = static_cast<std::size_t>(dataset.size());
-    return make_loader(std::move(dataset), options, data::epoch_order_of(std::move(sampler), size, options.seed));
+    return make_loader(std::move(dataset), options, data::epoch_order_of(std::move(sampler), size, options.seed,
+                                                                               static_cast<std::size_t>(options.batch_size)));
   }
 
   // ------------------------------------------------------------ the step

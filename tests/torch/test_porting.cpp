@@ -241,26 +241,27 @@ TEST_SUITE("porting") {
     CHECK((flat_grads(net) - flat_grads(reference)).abs().max().item<double>() > 1e-3);
   }
 
-  TEST_CASE("several backward passes before one step (a GAN discriminator's): DDP, ZeRO-1/2/3 and HybridShard, fp32 "
-            "and BF16, equal to one process; the bound would see a pass counted twice") {
+  TEST_CASE("several backward passes before one step (a GAN discriminator's): DDP, ZeRO-1/2/3 (and with cpu_offload), "
+            "HybridShard and Parallel<> over DDP and ZeRO-2, fp32 and BF16, equal to one process; the bound would see a "
+            "pass counted twice") {
     // Two backward passes per step on this rank's share of two global batches, 3 steps, against one process
     // (the same Trainer calls on the whole batches). Bounds from measurement: fp32 0 to 1e-7 (bound 1e-6),
     // BF16 up to 2e-4 (bound 2e-3); a pass counted twice is off by 2e-2 or more (the companion below).
-    auto run = [](auto strategy, auto precision, int rank, int world) {
+    auto run = [](auto strategy, auto precision) {
       using Strategy = decltype(strategy);
       using Precision = decltype(precision);
-      const bool single = std::is_same_v<Strategy, accel::SingleProcess>;
       accel::Trainer<Strategy, Precision> trainer(strategy);
       auto net = tiny_mlp(0);
       torch::optim::SGD opt(net->parameters(), 0.1);
       trainer.prepare(net, opt);
-      const std::int64_t share = single ? 8 : 8 / world, first = single ? 0 : rank * share;
+      // The ranks that read different samples (under Parallel<>, tensor peers read the same ones).
+      const std::int64_t share = 8 / trainer.data_group().size(), first = trainer.data_group().rank() * share;
       for (int step = 0; step < 3; ++step) {
         for (int pass = 0; pass < 2; ++pass) {
           auto batch = global_batch(2 * step + pass, 8);
           at::Tensor loss;
           {
-            auto scope = trainer.autocast();
+            [[maybe_unused]] auto scope = trainer.autocast();
             loss = torch::nn::functional::cross_entropy(net->forward(batch.x.narrow(0, first, share)).to(at::kFloat),
                                                         batch.y.narrow(0, first, share));
           }
@@ -274,9 +275,9 @@ TEST_SUITE("porting") {
     };
     const std::string result = temp_path("several_backward");
     auto check = [&](auto strategy, auto precision, int world, double bound) {
-      auto reference = run(accel::SingleProcess{}, precision, 0, 1);
+      auto reference = run(accel::SingleProcess{}, precision);
       accel::spawn(world, [&](int rank) {
-        auto net = run(strategy, precision, rank, world);
+        auto net = run(strategy, precision);
         const double diff = max_param_diff(*net, *reference);
         require(diff < bound, "two backward passes per step vs one process: " + sci(diff));
         if (rank == 0) std::ofstream(result) << diff;
@@ -291,6 +292,10 @@ TEST_SUITE("porting") {
         check(accel::ZeRO<2>{}, precision, 2, bound);
         check(accel::ZeRO<3>{}, precision, 2, bound);
         check(accel::HybridShard{.shard_group_size = 2}, precision, 4, bound);
+        check(accel::ZeRO<2>{.cpu_offload = true}, precision, 2, bound);
+        check(accel::ZeRO<3>{.cpu_offload = true}, precision, 2, bound);
+        check(accel::Parallel<>{.tensor = 2}, precision, 4, bound);
+        check(accel::Parallel<accel::ZeRO<2>>{.tensor = 2}, precision, 4, bound);
       };
       if (bound < 1e-5) each(accel::FP32{});
       else each(accel::BF16{});
@@ -362,7 +367,7 @@ TEST_SUITE("porting") {
                          doctest::Contains("outside autocast, so in fp32: compute it inside"), std::logic_error);
     at::Tensor out;
     {
-      auto scope = trainer.autocast();
+      [[maybe_unused]] auto scope = trainer.autocast();
       out = net->forward(batch.x);
     }
     CHECK((out.scalar_type() == at::kBFloat16));  // the forward really ran in bf16
@@ -460,6 +465,17 @@ TEST_SUITE("porting") {
           (void)trainer.prepare(Numbers(4), {.batch_size = 2, .shuffle = true}, Reverse());
         }()),
         doctest::Contains("cannot also shuffle"), std::invalid_argument);
+    // A batch sampler (batches of its own size, here 3 for batch_size 2) is refused at the first pass, not re-cut.
+    struct Threes : Reverse {
+      c10::optional<std::vector<std::size_t>> next(std::size_t) override { return Reverse::next(3); }
+    };
+    CHECK_THROWS_WITH_AS(
+        ([] {
+          accel::Trainer<> trainer;
+          auto loader = trainer.prepare(Numbers(8), {.batch_size = 2}, Threes());
+          for (auto& batch : loader) (void)batch;
+        }()),
+        doctest::Contains("a batch of 3 indices before its last one for batch_size 2"), std::invalid_argument);
   }
 
   TEST_CASE("num_workers loads in the background: the same batches in the same order; a dataset's error reaches "

@@ -129,10 +129,15 @@ class TorchDataset {
 /// generator is put back as it was, so every rank draws the same order and
 /// the training's own random stream is untouched. A sampler with its own
 /// randomness must give the same order on every rank.
+///
+/// The sampler is asked for batches of `batch_size` (as LibTorch's own
+/// DataLoader asks it); one that answers with another size before its last
+/// batch is a batch sampler, whose batches would be re-cut here, so it is
+/// refused with a sentence instead (0: any sizes, read as one order).
 template <torch_sampler S>
-EpochOrder epoch_order_of(S sampler, std::size_t size, std::uint64_t seed) {
+EpochOrder epoch_order_of(S sampler, std::size_t size, std::uint64_t seed, std::size_t batch_size = 0) {
   auto shared = std::make_shared<S>(std::move(sampler));
-  return [shared, size, seed](std::int64_t epoch) {
+  return [shared, size, seed, batch_size](std::int64_t epoch) {
     auto generator = at::detail::getDefaultCPUGenerator();
     // Not locked while the sampler draws: drawing takes the generator's own lock.
     auto with_lock = [&](auto&& fn) {
@@ -142,10 +147,19 @@ EpochOrder epoch_order_of(S sampler, std::size_t size, std::uint64_t seed) {
     const at::Tensor saved = with_lock([&] { return generator.get_state(); });
     with_lock([&] { generator.set_current_seed(seed + static_cast<std::uint64_t>(epoch)); });
     std::vector<std::int64_t> order;
+    std::size_t short_batch = 0;  // the size of a batch smaller than batch_size, once one was seen
     try {
       shared->reset(size);
-      while (auto batch = shared->next(size))
+      while (auto batch = shared->next(batch_size > 0 ? batch_size : size)) {
+        if (batch_size > 0 && (short_batch > 0 || batch->size() > batch_size))
+          throw std::invalid_argument(
+              "accel: the sampler gave a batch of " + std::to_string(short_batch > 0 ? short_batch : batch->size()) +
+              " indices before its last one for batch_size " + std::to_string(batch_size) +
+              ": batches of their own sizes (a batch sampler) are not supported yet; give batches of batch_size "
+              "(the last may be smaller)");
+        if (batch_size > 0 && batch->size() < batch_size) short_batch = batch->size();
         for (std::size_t i : *batch) order.push_back(static_cast<std::int64_t>(i));
+      }
     } catch (...) {
       with_lock([&] { generator.set_state(saved); });
       throw;
