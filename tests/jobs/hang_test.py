@@ -10,7 +10,11 @@ and which never entered it.
    all-reduce, or an evaluation all-gather) and no record from rank 1 (a
    stopped process cannot answer).
 2. Rank 1 is SIGKILLed instead: rank 0's collective fails, it writes its own
-   record, and the summary shows rank 0 failed in it."""
+   record, and the summary shows rank 0 failed in it.
+3. No screen where no collective failed: rank 0 ends with a handled error
+   after training (its weights cannot be written) and exits 1 cleanly; the
+   launcher reports that rank's last stderr lines and no flight-recorder
+   summary, which would only show the finished job's stale records."""
 import argparse
 import os
 import signal
@@ -53,6 +57,18 @@ for name, sig, timeout, must in [
         failures.append(f"{name}: exit {job.returncode}, missing {missing}:\n{err}")
     else:
         print(err[err.find("accel launch: the ranks' last collectives"):])
+
+clean = subprocess.run([args.accel, "launch", "--num_processes", "2", "--timeout", "120", args.mlp, "--epochs", "1",
+                        "--samples", "512", "--save_weights", "/nonexistent/accel/weights.pt"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=180)
+report = clean.stderr[clean.stderr.find("accel launch: rank "):]
+must = ["exited with status 1", "its last lines on stderr", "[rank 0] mlp: "]  # the message, not its backtrace
+missing = [m for m in must if m not in report]
+unexpected = "flight recorder" in clean.stderr
+print(f"handled error: exit {clean.returncode}, {'all expected lines' if not missing else 'missing ' + str(missing)}, "
+      f"{'a flight-recorder screen' if unexpected else 'no flight-recorder screen'}")
+if clean.returncode == 0 or missing or unexpected:
+    failures.append(f"handled error: exit {clean.returncode}, missing {missing}, screen {unexpected}:\n{clean.stderr}")
 
 if failures:
     print("\n".join(failures))

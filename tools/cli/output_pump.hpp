@@ -131,8 +131,14 @@ class OutputPump {
     write_all(stream.target, out);
   }
 
+  // A LibTorch error's backtrace ("Exception raised from ...", then "frame #N: ..." lines) would push the
+  // message out of the kept lines: the report keeps the lines that say what went wrong.
+  static bool backtrace_line(const std::string& line) {
+    return line.rfind("frame #", 0) == 0 || line.rfind("Exception raised from ", 0) == 0;
+  }
+
   static void remember(Stream& stream, std::string line) {
-    if (stream.target != STDERR_FILENO || line.empty()) return;
+    if (stream.target != STDERR_FILENO || line.empty() || backtrace_line(line)) return;
     stream.last.push_back(std::move(line));
     if (stream.last.size() > kept_lines) stream.last.pop_front();
   }
