@@ -22,6 +22,7 @@
 #include "accel/comm/liveness.hpp"
 #include "accel/compat/torch_compat.hpp"
 #include "accel/launch/settings.hpp"
+#include "accel/strategy/autograd_graph.hpp"
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/buckets.hpp"
 #include "accel/strategy/module_tree.hpp"

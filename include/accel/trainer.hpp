@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "accel/checkpoint/files.hpp"
 #include "accel/checkpoint/state.hpp"
@@ -56,6 +57,7 @@
 #include "accel/launch/settings.hpp"
 #include "accel/precision/autocast.hpp"
 #include "accel/precision/loss_scaling.hpp"
+#include "accel/strategy/autograd_graph.hpp"
 #include "accel/strategy/engine.hpp"
 #include "accel/strategy/gradient_norm.hpp"
 #include "accel/strategy/memory.hpp"
@@ -183,10 +185,10 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
         world_(comm::world_from_environment()),
         device_(device::traits<Device>::resolve(world_)),
         comm_(connect(strategy_, world_, options_)),
-        engine_(strategy_, comm_),
         scaling_(precision),
         accumulation_steps_(launch::accumulation_steps(options.gradient_accumulation_steps)) {
     (void)device;
+    add_engine();  // the first model's, there from the start (the mesh's groups are the engine's)
     if (device_.is_cpu() && options_.return_host_memory) device::return_freed_host_memory();
     launch::check_launcher_settings<Strategy, Precision>();
     (void)tracking::built_in_trackers(options_.log_with);  // a misspelt name fails here, not at init_trackers
@@ -199,11 +201,15 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   Trainer& operator=(const Trainer&) = delete;
 
   // ------------------------------------------------------------ prepare
-  /// Registers the model (moved to the device; under DDP rank 0's weights are
-  /// broadcast and gradient hooks installed) and/or the optimizer.
-  /// A model may be a TORCH_MODULE holder (torch::nn::Linear, your
+  /// Registers the models (moved to the device; under DDP rank 0's weights
+  /// are broadcast and gradient hooks installed), optimizers and LR
+  /// schedulers, in any order and over any number of calls, as Accelerate's
+  /// prepare. A model may be a TORCH_MODULE holder (torch::nn::Linear, your
   /// TORCH_MODULE(Net)), a torch::nn::Module subclass object you own (kept
   /// by reference: it must outlive the Trainer) or a std::shared_ptr to one.
+  /// Several models (a GAN's prepare(G, D, opt_G, opt_D)): each optimizer
+  /// goes with the model whose parameters it steps, and the k-th scheduler
+  /// prepared with the k-th optimizer (NOTE [Several models]).
   template <class... Objects>
     requires(sizeof...(Objects) > 0)
   void prepare(Objects&... objects) {
@@ -214,7 +220,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
                   "std::shared_ptr<Net>; a dataset goes in prepare(dataset, {.batch_size = ...})");
     // Models first: sharding strategies plan around the model, then rewire the optimizer.
     (prepare_model_if<Objects>(objects), ...);
-    (prepare_rest_if<Objects>(objects), ...);
+    (prepare_optimizer_if<Objects>(objects), ...);
+    (prepare_scheduler_if<Objects>(objects), ...);
   }
 
   /// This rank's shard of `dataset`, batched (Accelerate's prepared
@@ -269,12 +276,12 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     at::Tensor loss;
     {
       [[maybe_unused]] auto scope = autocast();
-      engine_.before_forward();
+      for (auto& engine : engines_) engine->before_forward();
       loss = forward();
-      engine_.after_forward();
+      for (auto& engine : engines_) engine->after_forward();
     }
     backward(loss);
-    optimizer_step();
+    for (std::size_t k = 0; k < optimizers_.size() || k == 0; ++k) step_optimizer(k);  // every prepared optimizer
     zero_grad();
     return loss;
   }
@@ -285,15 +292,15 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// returns the loss every stage sees; elsewhere the same as step(lambda).
   template <class LossFn>
   double step(const at::Tensor& inputs, const at::Tensor& targets, LossFn&& loss_fn) {
-    if (engine_.pipelined()) {
+    if (engine().pipelined()) {
       [[maybe_unused]] auto micro_step = accumulate();
       double loss = 0;
       {
         [[maybe_unused]] auto scope = autocast();
         // As backward() would: the loss over the accumulation steps, scaled (FP16).
-        loss = engine_.pipeline_step(inputs, targets, loss_fn, scaling_.scale() / accumulation_steps_, sync_gradients_);
+        loss = engine().pipeline_step(inputs, targets, loss_fn, scaling_.scale() / accumulation_steps_, sync_gradients_);
       }
-      synchronized_ = false;
+      synchronized_.front() = false;
       optimizer_step();
       zero_grad();
       return loss;
@@ -306,14 +313,14 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// The ranks that read different data: the mesh's data group under
   /// Parallel<>, every rank otherwise.
   comm::Communicator& data_group() {
-    auto* group = engine_.data_group();
+    auto* group = engine().data_group();
     return group != nullptr ? *group : comm_;
   }
 
   /// The group a model's tensor-parallel layers (accel::nn) communicate
   /// over: the mesh's tensor dimension under Parallel<>, one rank otherwise.
   comm::Communicator& tensor_group() {
-    auto* group = engine_.tensor_group();
+    auto* group = engine().tensor_group();
     return group != nullptr ? *group : solo_;
   }
 
@@ -340,18 +347,30 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// read of `.grad()` sees what one process on the global batch would).
   /// Under BF16/FP16 the loss must come from a forward under autocast()
   /// (or step(lambda)): a forward in fp32 is refused here, never trained on
-  /// silently (NOTE [Forward precision]).
+  /// silently (NOTE [Forward precision]). With several models, the models
+  /// the loss reaches (NOTE [Several models]).
   void backward(const at::Tensor& loss) {
     check_forward_precision();
     const bool sync = (sync_gradients_ && no_sync_depth_ == 0) || sync_next_backward_;
     sync_next_backward_ = false;
-    synchronized_ = false;
-    engine_.set_gradient_sync(sync);
     at::Tensor scaled = accumulation_steps_ == 1 ? loss : loss / accumulation_steps_;
     scaled = scaling_.scale_loss(scaled);
-    engine_.before_backward(scaled);
+    const auto& reached = engines_reached_by(scaled);
+    for (std::size_t i = 0; i < engines_.size(); ++i) {
+      if (!reached[i]) {
+        // A forward this backward does not reach (the generator's, under a detached
+        // fake) releases what it gathered (ZeRO-3's units); its own backward re-gathers.
+        engines_[i]->after_forward();
+        continue;
+      }
+      synchronized_[i] = false;
+      engines_[i]->set_gradient_sync(sync);
+      engines_[i]->before_backward(scaled);
+    }
     scaled.backward();
-    if (sync) ensure_synchronized();
+    if (sync)
+      for (std::size_t i = 0; i < engines_.size(); ++i)
+        if (reached[i]) ensure_synchronized(i);
     // A no_sync() backward on a step that synchronises leaves local gradients a synchronising backward must average.
     local_gradients_ = !sync && (local_gradients_ || sync_gradients_);
   }
@@ -383,30 +402,17 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// does: once per data rank (the global batch is that many per-rank
   /// batches), once under split_batches or with
   /// TrainerOptions::step_scheduler_with_optimizer off, never after a
-  /// skipped step.
+  /// skipped step. With several optimizers prepared, name the one to step.
   void optimizer_step() {
-    if (!sync_gradients_) return;
-    if (no_sync_depth_ > 0 || local_gradients_)
-      throw std::logic_error(std::string("accel: optimizer_step() ") +
-                             (no_sync_depth_ > 0 ? "inside no_sync()" : "after a backward inside no_sync()") +
-                             ": those gradients were never averaged over the ranks; end the step with a "
-                             "synchronising backward (outside no_sync(), or after trigger_sync_in_backward())");
-    auto& optimizer = require_optimizer();
-    ensure_synchronized();
-    step_was_skipped_ = scaling_.unscale(engine_.optimizer_parameters(), comm_);
-    if (!step_was_skipped_) {
-      optimizer.step();
-      engine_.after_optimizer_step();
-      if (scheduler_ != nullptr)
-        for (int i = scheduler_steps_per_optimizer_step(); i > 0; --i) {
-          scheduler_->step();
-          ++counters_.scheduler_steps;  // a checkpoint replays the calls
-        }
-    }
-    scaling_.update();
-    ++counters_.optimizer_steps;
-    autocast_seen_ = false;
+    if (optimizers_.size() > 1)
+      throw std::logic_error("accel: optimizer_step() with " + std::to_string(optimizers_.size()) +
+                             " optimizers prepared: name the one to step, trainer.optimizer_step(optimizer)");
+    step_optimizer(0);
   }
+  /// The same for one of several prepared optimizers (a GAN's opt_D, then
+  /// opt_G), each with its own scheduler; the loss scale (FP16) is updated
+  /// after each, as Accelerate's AcceleratedOptimizer.step does.
+  void optimizer_step(torch::optim::Optimizer& optimizer) { step_optimizer(index_of(optimizer)); }
 
   /// How many times the prepared scheduler steps per optimizer step
   /// (Accelerate's AcceleratedScheduler rule).
@@ -415,9 +421,19 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     return data_group().size();
   }
 
+  /// Zeroes the gradients of every prepared optimizer's models (on a
+  /// synchronising micro-step; elsewhere they keep accumulating).
   void zero_grad() {
     if (!sync_gradients_) return;
-    engine_.zero_grad(require_optimizer());
+    if (optimizers_.empty()) require_optimizer(0);
+    for (auto& o : optimizers_)
+      for (auto i : o.engines) engines_[i]->zero_grad(*o.optimizer);
+    local_gradients_ = false;
+  }
+  /// The same for one optimizer's model (PyTorch's opt_D.zero_grad()).
+  void zero_grad(torch::optim::Optimizer& optimizer) {
+    if (!sync_gradients_) return;
+    for (auto i : optimizers_[index_of(optimizer)].engines) engines_[i]->zero_grad(optimizer);
     local_gradients_ = false;
   }
 
@@ -428,24 +444,38 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// Accelerate's `optimizer_step_was_skipped`: the last step found an
   /// inf/NaN gradient (FP16) and was skipped on every rank.
   bool optimizer_step_was_skipped() const { return step_was_skipped_; }
-  /// Optimizer steps taken (skipped ones included): the training step count.
+  /// Optimizer steps taken (skipped ones included): the training step count
+  /// (with several optimizers, the first prepared one's steps).
   std::int64_t completed_steps() const { return counters_.optimizer_steps; }
   /// The FP16 loss scale (1 for the other precisions).
   double loss_scale() const { return scaling_.scale(); }
 
   /// Clips the gradients' global norm to `max_norm`, after communication
   /// and FP16 unscaling; returns the norm before clipping. Call it between
-  /// backward and optimizer_step on a synchronising micro-step.
+  /// backward and optimizer_step on a synchronising micro-step. With several
+  /// models, name the one (Accelerate's clip_grad_norm_(model.parameters(), ...)).
   double clip_grad_norm(double max_norm, double norm_type = 2.0) {
-    prepare_gradients_for_clipping("clip_grad_norm");
-    return strategy::clip_grad_norm(engine_.optimizer_parameters(), max_norm, norm_type, engine_.norm_reduction());
+    if (models_.size() > 1)
+      throw std::logic_error("accel: clip_grad_norm() with " + std::to_string(models_.size()) +
+                             " models prepared: name the model whose gradients to clip, "
+                             "trainer.clip_grad_norm(model, max_norm)");
+    return clip_engine_norm(0, max_norm, norm_type);
+  }
+  /// The same for one of several prepared models: its own gradients' norm.
+  template <detail::model Model>
+  double clip_grad_norm(Model& model, double max_norm, double norm_type = 2.0) {
+    return clip_engine_norm(engine_index_of(model), max_norm, norm_type);
   }
 
   /// Clamps every gradient element to [-value, value] (after communication
-  /// and FP16 unscaling).
+  /// and FP16 unscaling), of every prepared model.
   void clip_grad_value(double value) {
-    prepare_gradients_for_clipping("clip_grad_value");
-    torch::nn::utils::clip_grad_value_(engine_.optimizer_parameters(), value);
+    for (std::size_t i = 0; i < engines_.size(); ++i) clip_engine_value(i, value);
+  }
+  /// The same for one of several prepared models.
+  template <detail::model Model>
+  void clip_grad_value(Model& model, double value) {
+    clip_engine_value(engine_index_of(model), value);
   }
 
   /// The forward-pass autocast scope for this trainer's precision and device.
@@ -588,11 +618,12 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// checkpoints.
   void free_memory() {
     if (no_sync_depth_ > 0) throw std::logic_error("accel: free_memory() inside a no_sync() scope: leave it first");
-    std::destroy_at(&engine_);
-    std::construct_at(&engine_, strategy_, comm_);
+    while (!engines_.empty()) engines_.pop_back();  // the last first, the same order on every rank
+    synchronized_.clear();
+    add_engine();
     models_.clear();
-    optimizer_ = nullptr;
-    scheduler_ = nullptr;
+    optimizers_.clear();
+    orphan_schedulers_.clear();
     sequential_ = torch::nn::Sequential(nullptr);
     custom_.clear();
     loader_positions_.clear();
@@ -600,7 +631,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     counters_ = {};
     scaling_ = precision::LossScaling<Precision>(precision_);
     sync_gradients_ = true;
-    synchronized_ = false;
     local_gradients_ = sync_next_backward_ = autocast_seen_ = split_batches_ = step_was_skipped_ = false;
     if constexpr (std::is_same_v<Device, CUDA>) compat::cuda_empty_cache();
   }
@@ -684,16 +714,29 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
 
   /// What this rank holds now: distinct storages of the prepared models'
   /// parameters, of every gradient (the model's and the optimizer's, shared
-  /// storage counted once), and of the optimizer's per-element state.
+  /// storage counted once), and of the optimizers' per-element state;
+  /// several models' summed.
   ModelStateBytes model_state_bytes() const {
-    return strategy::model_state_bytes(models_, optimizer_, engine_.optimizer_parameters(),
-                                       engine_.offloaded_parameters(), engine_.device_shards());
+    ModelStateBytes total;
+    for (std::size_t i = 0; i < engines_.size(); ++i) {
+      std::vector<std::shared_ptr<torch::nn::Module>> model;
+      if (i < models_.size()) model.push_back(models_[i]);
+      torch::optim::Optimizer* optimizer = nullptr;
+      for (const auto& o : optimizers_)
+        if (std::find(o.engines.begin(), o.engines.end(), i) != o.engines.end()) optimizer = o.optimizer;
+      const auto& engine = *engines_[i];
+      total += strategy::model_state_bytes(model, optimizer, engine.optimizer_parameters(),
+                                           engine.offloaded_parameters(), engine.device_shards());
+    }
+    return total;
   }
 
-  /// Accelerate's unwrap_model: the prepared model, whole, on every rank. A
-  /// no-op for strategies that never split it; under ZeRO<3> it gathers the
+  /// Accelerate's unwrap_model: the prepared models, whole, on every rank. A
+  /// no-op for strategies that never split them; under ZeRO<3> it gathers the
   /// parameters for good and ends sharded training (every rank must call it).
-  void unwrap_model() { engine_.unshard_permanently(); }
+  void unwrap_model() {
+    for (auto& engine : engines_) engine->unshard_permanently();
+  }
 
   // ------------------------------------------------------------ checkpoints
   /// Saves everything needed to resume exactly (see NOTE [Checkpoint commit]):
@@ -789,7 +832,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   }
 
   // ------------------------------------------------------------ internals, for tests and benchmarks
-  engine_type& strategy_engine() { return engine_; }
+  /// The engine of the i-th prepared model.
+  engine_type& strategy_engine(std::size_t model = 0) { return *engines_.at(model); }
   comm::Communicator& communicator() { return comm_; }
   const TrainerOptions& options() const { return options_; }
 
@@ -831,31 +875,190 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     return position;
   }
 
+  // NOTE [Several models]
+  // prepare(G, D, opt_G, opt_D), as Accelerate's prepare: each model gets an
+  // engine of its own (its buckets, shards and hooks) on the Trainer's
+  // communicator, and each optimizer goes with the engine of the model whose
+  // parameters it steps (under a sharding strategy, exactly one model's: it
+  // is rewired to that model's shards). A backward synchronises the models
+  // its loss reaches, found from the autograd graph before it runs, so the
+  // discriminator's backward on a detached fake leaves the generator alone
+  // and the generator's backward through the discriminator averages both. A
+  // model whose optimizer does not step keeps its gradients until its
+  // zero_grad, as in PyTorch. Under Parallel<> the mesh is cut around one
+  // model: a second is refused at prepare.
+  void add_engine() {
+    engines_.push_back(std::make_unique<engine_type>(strategy_, comm_));
+    synchronized_.push_back(false);
+  }
+
+  // The first model's engine: the one that holds the mesh and the pipeline.
+  engine_type& engine() { return *engines_.front(); }
+
   template <class T>
   void prepare_model_if(T& object) {
     if constexpr (detail::model<T>) {
       std::shared_ptr<torch::nn::Module> module = detail::module_of(object);
+      for (const auto& prepared : models_)
+        if (prepared.get() == module.get()) throw std::logic_error("accel: prepare(): this model was already prepared");
+      if (!models_.empty()) {
+        if (engine().data_group() != nullptr)
+          throw ConfigurationError("accel: Parallel<> cuts its device mesh and pipeline around one model; a second "
+                                   "model needs a Trainer of its own (or one Module holding both)");
+        add_engine();
+      }
+      auto& engine = *engines_[models_.size()];
       if (detail::built_on_meta(*module)) {
-        engine_.prepare_meta_model(*module, device_);  // its values computed where they are kept
+        engine.prepare_meta_model(*module, device_);  // its values computed where they are kept
       } else {
         module->to(device_);
-        engine_.prepare_model(*module);
+        engine.prepare_model(*module);
       }
       models_.push_back(module);
-      if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module))
-        sequential_ = torch::nn::Sequential(std::move(sequential));
+      if (models_.size() == 1)
+        if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module))
+          sequential_ = torch::nn::Sequential(std::move(sequential));
     }
   }
 
   template <class T>
-  void prepare_rest_if(T& object) {
+  void prepare_optimizer_if(T& object) {
     if constexpr (detail::optimizer<T>) {
-      if (optimizer_ != nullptr) throw std::logic_error("accel: prepare() takes one optimizer per Trainer");
-      engine_.prepare_optimizer(object);
-      optimizer_ = &object;
-    } else if constexpr (detail::lr_scheduler<T>) {
-      scheduler_ = &object;
+      for (const auto& o : optimizers_)
+        if (o.optimizer == &object) throw std::logic_error("accel: prepare(): this optimizer was already prepared");
+      auto engines = engines_stepped_by(object);
+      for (auto i : engines) engines_[i]->prepare_optimizer(object);
+      optimizers_.push_back({&object, std::move(engines)});
+      // A scheduler prepared before its optimizer (prepare(scheduler, optimizer)) joins it now.
+      if (!orphan_schedulers_.empty()) {
+        optimizers_.back().scheduler = orphan_schedulers_.front();
+        orphan_schedulers_.erase(orphan_schedulers_.begin());
+      }
     }
+  }
+
+  template <class T>
+  void prepare_scheduler_if(T& object) {
+    if constexpr (detail::lr_scheduler<T>) {
+      for (auto& o : optimizers_)
+        if (o.scheduler == nullptr) {
+          o.scheduler = &object;
+          return;
+        }
+      orphan_schedulers_.push_back(&object);
+    }
+  }
+
+  // Which models' engines an optimizer steps: the one prepared model, or
+  // those whose parameters it holds.
+  std::vector<std::size_t> engines_stepped_by(torch::optim::Optimizer& optimizer) const {
+    if (models_.size() <= 1) {
+      if (!optimizers_.empty())
+        throw std::logic_error("accel: prepare(): a second optimizer over the same model: accel steps one optimizer "
+                               "per model; use one optimizer with several parameter groups");
+      return {0};
+    }
+    std::unordered_set<const void*> stepped;
+    for (const auto& group : optimizer.param_groups())
+      for (const auto& p : group.params()) stepped.insert(p.unsafeGetTensorImpl());
+    std::vector<std::size_t> out;
+    for (std::size_t i = 0; i < models_.size(); ++i)
+      for (const auto& p : models_[i]->parameters())
+        if (stepped.count(p.unsafeGetTensorImpl())) {
+          out.push_back(i);
+          break;
+        }
+    if (out.empty())
+      throw std::logic_error("accel: prepare(): this optimizer steps none of the prepared models' parameters: prepare "
+                             "its model before or with it (prepare(G, D, opt_G, opt_D))");
+    if (engine_type::shards_optimizer_state && out.size() > 1)
+      throw ConfigurationError("accel: prepare(): an optimizer over several prepared models' parameters, under a "
+                               "sharding strategy that steps each model's own shards: give each model its optimizer "
+                               "(as a GAN's opt_G and opt_D)");
+    for (const auto& o : optimizers_)
+      for (auto i : o.engines)
+        if (std::find(out.begin(), out.end(), i) != out.end())
+          throw std::logic_error("accel: prepare(): a second optimizer over model " + std::to_string(i) +
+                                 ": accel steps one optimizer per model; use one optimizer with several parameter "
+                                 "groups");
+    return out;
+  }
+
+  std::size_t index_of(const torch::optim::Optimizer& optimizer) const {
+    for (std::size_t k = 0; k < optimizers_.size(); ++k)
+      if (optimizers_[k].optimizer == &optimizer) return k;
+    throw std::logic_error("accel: this optimizer was not prepared: trainer.prepare(model, optimizer) first");
+  }
+
+  template <class Model>
+  std::size_t engine_index_of(Model& model) const {
+    const auto module = detail::module_of(model);
+    for (std::size_t i = 0; i < models_.size(); ++i)
+      if (models_[i].get() == module.get()) return i;
+    throw std::logic_error("accel: this model was not prepared: trainer.prepare(model, optimizer) first");
+  }
+
+  // Per engine, whether the backward from `loss` reaches its model (all of
+  // them when there is one: no graph walk, no allocation).
+  const std::vector<char>& engines_reached_by(const at::Tensor& loss) {
+    reached_.assign(engines_.size(), engines_.size() == 1 ? 1 : 0);
+    if (engines_.size() == 1) return reached_;
+    const auto nodes = strategy::reachable_nodes(loss);
+    for (std::size_t i = 0; i < models_.size(); ++i)
+      for (const auto& p : models_[i]->parameters())
+        if (p.requires_grad() && strategy::reaches(nodes, p)) {
+          reached_[i] = 1;
+          break;
+        }
+    return reached_;
+  }
+
+  // The tensors optimizer k steps, as its engines hold them.
+  std::vector<at::Tensor> stepped_parameters(std::size_t k) const {
+    const auto& o = optimizers_[k];
+    if (o.engines.size() == 1) return engines_[o.engines.front()]->optimizer_parameters();
+    std::vector<at::Tensor> out;
+    for (auto i : o.engines) {
+      const auto& more = engines_[i]->optimizer_parameters();
+      out.insert(out.end(), more.begin(), more.end());
+    }
+    return out;
+  }
+
+  void step_optimizer(std::size_t k) {
+    if (!sync_gradients_) return;
+    if (no_sync_depth_ > 0 || local_gradients_)
+      throw std::logic_error(std::string("accel: optimizer_step() ") +
+                             (no_sync_depth_ > 0 ? "inside no_sync()" : "after a backward inside no_sync()") +
+                             ": those gradients were never averaged over the ranks; end the step with a "
+                             "synchronising backward (outside no_sync(), or after trigger_sync_in_backward())");
+    auto& o = require_optimizer(k);
+    for (auto i : o.engines) ensure_synchronized(i);
+    step_was_skipped_ = o.engines.size() == 1 ? scaling_.unscale(engines_[o.engines.front()]->optimizer_parameters(), comm_)
+                                              : scaling_.unscale(stepped_parameters(k), comm_);
+    if (!step_was_skipped_) {
+      o.optimizer->step();
+      for (auto i : o.engines) engines_[i]->after_optimizer_step();
+      if (o.scheduler != nullptr)
+        for (int n = scheduler_steps_per_optimizer_step(); n > 0; --n) {
+          o.scheduler->step();
+          ++o.scheduler_steps;  // a checkpoint replays the calls
+        }
+    }
+    scaling_.update();
+    if (k == 0) ++counters_.optimizer_steps;
+    autocast_seen_ = false;
+  }
+
+  double clip_engine_norm(std::size_t i, double max_norm, double norm_type) {
+    prepare_gradients_for_clipping("clip_grad_norm", i);
+    return strategy::clip_grad_norm(engines_[i]->optimizer_parameters(), max_norm, norm_type,
+                                    engines_[i]->norm_reduction());
+  }
+
+  void clip_engine_value(std::size_t i, double value) {
+    prepare_gradients_for_clipping("clip_grad_value", i);
+    torch::nn::utils::clip_grad_value_(engines_[i]->optimizer_parameters(), value);
   }
 
   void begin_micro_step() {
@@ -887,25 +1090,25 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     }
   }
 
-  void ensure_synchronized() {
-    if (synchronized_) return;
-    engine_.synchronize_gradients();
-    synchronized_ = true;
+  void ensure_synchronized(std::size_t i) {
+    if (synchronized_[i]) return;
+    engines_[i]->synchronize_gradients();
+    synchronized_[i] = true;
   }
 
-  void prepare_gradients_for_clipping(const char* what) {
+  void prepare_gradients_for_clipping(const char* what, std::size_t i) {
     if (!sync_gradients_)
       throw std::logic_error(std::string("accel: ") + what +
                              " on a micro-step that does not synchronise gradients: call it only when "
                              "trainer.sync_gradients() is true");
-    ensure_synchronized();
-    scaling_.unscale(engine_.optimizer_parameters(), comm_);
+    ensure_synchronized(i);
+    scaling_.unscale(engines_[i]->optimizer_parameters(), comm_);
   }
 
   // The engine's checkpoint hooks, for the checkpoint room (compiled once).
   class CheckpointHooks final : public checkpoint::EngineHooks {
    public:
-    explicit CheckpointHooks(engine_type& engine) : engine_(engine) {}
+    explicit CheckpointHooks(const std::unique_ptr<engine_type>& engine) : engine_(*engine) {}
     strategy::ModelPart model_part(const comm::Communicator& world) const override { return engine_.model_part(world); }
     std::optional<strategy::ShardLayout> shard_layout() const override {
       if constexpr (strategy::sharded_engine<engine_type>) return engine_.shard_layout();
@@ -927,17 +1130,28 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   // load changed in the loss scaler.
   struct CheckpointView {
     Trainer& self;
-    CheckpointHooks hooks;
+    std::vector<CheckpointHooks> hooks;  // per engine
     precision::ScalerState scaler;
     checkpoint::TrainerView trainer;
     explicit CheckpointView(Trainer& t)
         : self(t),
-          hooks(t.engine_),
+          hooks(t.engines_.begin(), t.engines_.end()),
           scaler(t.scaling_.state()),
-          trainer{t.device_,    t.comm_,   t.data_group(), hooks,     Precision::name,        t.models_,
-                  t.optimizer_, t.scheduler_, t.counters_,  scaler,    t.custom_, t.loader_positions_} {}
+          trainer{t.device_,         t.comm_,      t.data_group(), engine_hooks(hooks), Precision::name,
+                  t.models_,         t.optimizer_views(), t.counters_, scaler,   t.custom_,
+                  t.loader_positions_} {}
     void commit() { self.scaling_.load_state(scaler); }
+    static std::vector<checkpoint::EngineHooks*> engine_hooks(std::vector<CheckpointHooks>& hooks) {
+      std::vector<checkpoint::EngineHooks*> out;
+      for (auto& h : hooks) out.push_back(&h);
+      return out;
+    }
   };
+  std::vector<checkpoint::OptimizerView> optimizer_views() {
+    std::vector<checkpoint::OptimizerView> out;
+    for (auto& o : optimizers_) out.push_back({o.optimizer, o.engines.front(), o.scheduler, &o.scheduler_steps});
+    return out;
+  }
   CheckpointView checkpoint_view() { return CheckpointView(*this); }
 
   void start_trackers(const std::string& project, const nlohmann::json* config,
@@ -948,10 +1162,17 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     else trackers_.start(options_.log_with, options_.project_dir, project, std::move(custom));
   }
 
-  torch::optim::Optimizer& require_optimizer() {
-    if (optimizer_ == nullptr)
+  struct PreparedOptimizer {
+    torch::optim::Optimizer* optimizer = nullptr;
+    std::vector<std::size_t> engines;  // the models it steps
+    torch::optim::LRScheduler* scheduler = nullptr;
+    std::int64_t scheduler_steps = 0;
+  };
+
+  PreparedOptimizer& require_optimizer(std::size_t k) {
+    if (k >= optimizers_.size())
       throw std::logic_error("accel: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
-    return *optimizer_;
+    return optimizers_[k];
   }
 
   Strategy strategy_;
@@ -961,11 +1182,12 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   at::Device device_;
   comm::Communicator comm_;
   comm::Trigger trigger_;
-  engine_type engine_;
+  std::vector<std::unique_ptr<engine_type>> engines_;  // engines_[i] trains models_[i]; [0] exists from the start
+  std::vector<char> synchronized_;                     // per engine: its last backward's gradients waited for
+  std::vector<char> reached_;                          // per engine: reached by the backward being run
   precision::LossScaling<Precision> scaling_;
   int accumulation_steps_ = 1;
   bool sync_gradients_ = true;
-  bool synchronized_ = false;
   int no_sync_depth_ = 0;
   bool local_gradients_ = false;  // a no_sync() backward since the last synchronising one
   bool sync_next_backward_ = false;
@@ -974,8 +1196,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   bool step_was_skipped_ = false;
   checkpoint::StepCounters counters_;
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
-  torch::optim::Optimizer* optimizer_ = nullptr;
-  torch::optim::LRScheduler* scheduler_ = nullptr;
+  std::vector<PreparedOptimizer> optimizers_;
+  std::vector<torch::optim::LRScheduler*> orphan_schedulers_;  // prepared before their optimizer
   torch::nn::Sequential sequential_{nullptr};
   comm::Communicator solo_;  // the one-rank tensor group of strategies without tensor parallelism
   std::vector<checkpoint::CustomObject> custom_;

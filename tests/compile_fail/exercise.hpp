@@ -31,6 +31,11 @@ void exercise_training(Trainer& trainer) {
       trainer.optimizer_step();
       trainer.zero_grad();
     }
+    // The calls naming a model or an optimizer (several models: README "Several models").
+    trainer.clip_grad_norm(net, 1.0);
+    trainer.clip_grad_value(net, 1.0);
+    trainer.optimizer_step(optimizer);
+    trainer.zero_grad(optimizer);
     (void)trainer.gather_for_metrics(batch.target);
   }
   (void)trainer.model_state_bytes();

@@ -43,6 +43,20 @@ inline torch::nn::Sequential tiny_mlp(std::uint64_t seed, std::int64_t in = 8, s
   return net;
 }
 
+/// The data-parallel strategies an equivalence test runs through, each on the
+/// ranks it needs: `check(strategy, world)` for DDP, ZeRO-1/2/3, HybridShard
+/// 2x2 and ZeRO-2/3 with cpu_offload.
+template <class Check>
+void each_data_parallel_strategy(Check&& check) {
+  check(accel::DDP{}, 2);
+  check(accel::ZeRO<1>{}, 2);
+  check(accel::ZeRO<2>{}, 2);
+  check(accel::ZeRO<3>{}, 2);
+  check(accel::HybridShard{.shard_group_size = 2}, 4);
+  check(accel::ZeRO<2>{.cpu_offload = true}, 2);
+  check(accel::ZeRO<3>{.cpu_offload = true}, 2);
+}
+
 /// Full Linear layers of the given (in, out) shapes, seeded alike on every
 /// rank: what tensor-parallel layers are sliced from, and their reference.
 inline std::vector<torch::nn::Linear> full_layers(const std::vector<std::pair<int, int>>& shapes) {

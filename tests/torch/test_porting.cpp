@@ -287,13 +287,7 @@ TEST_SUITE("porting") {
     for (double bound : {1e-6, 2e-3}) {
       CAPTURE(bound);
       auto each = [&](auto precision) {
-        check(accel::DDP{}, precision, 2, bound);
-        check(accel::ZeRO<1>{}, precision, 2, bound);
-        check(accel::ZeRO<2>{}, precision, 2, bound);
-        check(accel::ZeRO<3>{}, precision, 2, bound);
-        check(accel::HybridShard{.shard_group_size = 2}, precision, 4, bound);
-        check(accel::ZeRO<2>{.cpu_offload = true}, precision, 2, bound);
-        check(accel::ZeRO<3>{.cpu_offload = true}, precision, 2, bound);
+        each_data_parallel_strategy([&](auto strategy, int world) { check(strategy, precision, world, bound); });
         check(accel::Parallel<>{.tensor = 2}, precision, 4, bound);
         check(accel::Parallel<accel::ZeRO<2>>{.tensor = 2}, precision, 4, bound);
       };

@@ -12,6 +12,7 @@
 //                                              SHARDED_STATE_DICT each rank's shards (NOTE [Sharded checkpoints])
 //   optimizer.pt | optimizer_part_<p>.pt       replicated optimizer state
 //   optimizer_shard_<s>.pt | optimizer_part_<p>_shard_<s>.pt   sharded optimizer state
+//   optimizer_<k>...                           the k-th optimizer's (k > 0), as Accelerate names them
 //   random_states_<rank>.pt                    every rank's generators (CPU, and its GPU's)
 //   custom_checkpoint_<k>.pt                   register_for_checkpointing objects
 //   manifest.json                              the rest: steps, loaders, scaler, layout, file sizes
@@ -64,7 +65,15 @@ struct CustomObject {
 struct StepCounters {
   std::int64_t optimizer_steps = 0;
   int micro_steps = 0;
-  std::int64_t scheduler_steps = 0;
+};
+
+/// One prepared optimizer: the model whose engine holds its parameters, and
+/// the scheduler that steps with it (with the steps it took).
+struct OptimizerView {
+  torch::optim::Optimizer* optimizer = nullptr;
+  std::size_t model = 0;
+  torch::optim::LRScheduler* scheduler = nullptr;
+  std::int64_t* scheduler_steps = nullptr;
 };
 
 /// What save and load read and write, by reference.
@@ -72,11 +81,10 @@ struct TrainerView {
   at::Device device;  ///< the training device: its generator is saved too
   comm::Communicator& world;
   comm::Communicator& data_group;  ///< the ranks that read different data
-  EngineHooks& engine;
+  std::vector<EngineHooks*> engines;  ///< engines[i] trains models[i]; one even before any model
   const char* precision;
   std::vector<std::shared_ptr<torch::nn::Module>>& models;
-  torch::optim::Optimizer* optimizer;
-  torch::optim::LRScheduler* scheduler;
+  std::vector<OptimizerView> optimizers;
   StepCounters& counters;
   precision::ScalerState& scaler;
   std::vector<CustomObject>& custom;
@@ -120,10 +128,12 @@ struct FileNames {
   int parts = 1, part = 0;
   std::string qualifier() const { return parts == 1 ? "" : "_part_" + std::to_string(part); }
   std::string model(std::size_t i) const { return "model_" + std::to_string(i) + qualifier() + ".pt"; }
-  std::string optimizer() const { return "optimizer" + qualifier() + ".pt"; }
+  // The first optimizer's files keep the plain name (a checkpoint of one optimizer), the k-th's add _<k>.
+  static std::string optimizer_stem(std::size_t k) { return k == 0 ? "optimizer" : "optimizer_" + std::to_string(k); }
+  std::string optimizer(std::size_t k) const { return optimizer_stem(k) + qualifier() + ".pt"; }
   ShardedModelFiles sharded_model(std::size_t i) const { return {"model_" + std::to_string(i) + qualifier()}; }
-  std::string optimizer_shard(int s) const {
-    return "optimizer" + qualifier() + "_shard_" + std::to_string(s) + ".pt";
+  std::string optimizer_shard(std::size_t k, int s) const {
+    return optimizer_stem(k) + qualifier() + "_shard_" + std::to_string(s) + ".pt";
   }
 };
 
@@ -266,29 +276,47 @@ inline void reshard_optimizer_state(torch::optim::Optimizer& optimizer, const st
   }
 }
 
+// Per prepared optimizer: its engine's shard layout (none: the state is
+// replicated) and every model part's bucket sizes.
+struct OptimizerShards {
+  std::optional<strategy::ShardLayout> layout;
+  std::vector<std::vector<std::int64_t>> numels_by_part;
+};
+
 inline nlohmann::json describe(TrainerView& t, const strategy::ModelPart& part,
-                               const std::optional<strategy::ShardLayout>& shards, bool model_sharded,
-                               const std::vector<std::vector<std::int64_t>>& numels_by_part) {
+                               const std::vector<OptimizerShards>& shards, bool model_sharded) {
   nlohmann::json m;
   m["format_version"] = format_version;
   m["world_size"] = t.world.size();
   m["data_world_size"] = t.data_group.size();
   m["model_parts"] = part.count;
   m["model_layout"] = part.layout;
-  m["replicated"] = !shards.has_value();
+  m["replicated"] = !t.engines.front()->shard_layout().has_value();
   m["model_state_dict"] = model_sharded ? "SHARDED_STATE_DICT" : "FULL_STATE_DICT";
-  if (shards) {
-    m["bucket_numels"] = numels_by_part.front();
-    m["bucket_numels_by_part"] = numels_by_part;
-    m["shard_count"] = shards->count;
+  // The first optimizer's layout and scheduler also at the top level, as a checkpoint of one optimizer has them.
+  if (!shards.empty() && shards.front().layout) {
+    m["bucket_numels"] = shards.front().numels_by_part.front();
+    m["bucket_numels_by_part"] = shards.front().numels_by_part;
+    m["shard_count"] = shards.front().layout->count;
+  }
+  m["scheduler_steps"] = t.optimizers.empty() ? 0 : *t.optimizers.front().scheduler_steps;
+  m["has_optimizer"] = !t.optimizers.empty();
+  m["optimizers"] = nlohmann::json::array();
+  for (std::size_t k = 0; k < t.optimizers.size(); ++k) {
+    nlohmann::json o = {{"model", t.optimizers[k].model},
+                        {"scheduler_steps", *t.optimizers[k].scheduler_steps},
+                        {"replicated", !shards[k].layout.has_value()}};
+    if (shards[k].layout) {
+      o["bucket_numels_by_part"] = shards[k].numels_by_part;
+      o["shard_count"] = shards[k].layout->count;
+    }
+    m["optimizers"].push_back(std::move(o));
   }
   m["mixed_precision"] = t.precision;
   m["optimizer_steps"] = t.counters.optimizer_steps;
   m["micro_steps"] = t.counters.micro_steps;
-  m["scheduler_steps"] = t.counters.scheduler_steps;
   m["loss_scale"] = t.scaler.scale;
   m["growth_tracker"] = t.scaler.growth_tracker;
-  m["has_optimizer"] = t.optimizer != nullptr;
   m["custom_objects"] = t.custom.size();
   m["models"] = nlohmann::json::array();
   for (const auto& model : t.models) {
@@ -312,11 +340,28 @@ inline nlohmann::json describe(TrainerView& t, const strategy::ModelPart& part,
   return m;
 }
 
+// The k-th saved optimizer's record; a checkpoint written before several
+// optimizers were kept has the one's at the top level.
+inline nlohmann::json saved_optimizer(const nlohmann::json& m, std::size_t k) {
+  if (m.contains("optimizers")) return m.at("optimizers").at(k);
+  nlohmann::json o = {{"model", 0}, {"scheduler_steps", m.at("scheduler_steps")}, {"replicated", m.at("replicated")}};
+  if (m.contains("shard_count")) {
+    o["bucket_numels_by_part"] = m.contains("bucket_numels_by_part") ? m.at("bucket_numels_by_part")
+                                                                     : nlohmann::json::array({m.at("bucket_numels")});
+    o["shard_count"] = m.at("shard_count");
+  }
+  return o;
+}
+
+inline std::size_t saved_optimizer_count(const nlohmann::json& m) {
+  if (m.contains("optimizers")) return m.at("optimizers").size();
+  return m.value("has_optimizer", false) ? 1 : 0;
+}
+
 inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
   const auto m = read_manifest(dir);
   const auto where = "accel: checkpoint " + dir.string() + ": ";
-  const auto part = t.engine.model_part(t.world);
-  const auto shards = t.engine.shard_layout();
+  const auto part = t.engines.front()->model_part(t.world);
   const auto names = names_for(part);
   const int saved_parts = m.value("model_parts", 1);
   const std::string saved_layout = m.value("model_layout", std::string("whole"));
@@ -340,38 +385,46 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
   }
   if (m.value("mixed_precision", "") != std::string(t.precision) && std::string(t.precision) == "fp16")
     throw CheckpointError(where + "was written without FP16 loss scaling; this Trainer is FP16");
-  const std::int64_t saved_scheduler_steps = m.at("scheduler_steps").get<std::int64_t>();
-  if (t.scheduler != nullptr && t.counters.scheduler_steps > saved_scheduler_steps)
-    throw CheckpointError(where + "call load_state before training: the scheduler has already stepped");
+  const std::size_t saved_optimizers = saved_optimizer_count(m);
+  if (!t.optimizers.empty() && saved_optimizers == 0)
+    throw CheckpointError(where + "holds no optimizer state, but an optimizer was prepared");
+  if (!t.optimizers.empty() && saved_optimizers != t.optimizers.size())
+    throw CheckpointError(where + "holds the state of " + std::to_string(saved_optimizers) + " optimizer(s) but " +
+                          std::to_string(t.optimizers.size()) + " were prepared");
+  for (std::size_t k = 0; k < t.optimizers.size(); ++k)
+    if (t.optimizers[k].scheduler != nullptr &&
+        *t.optimizers[k].scheduler_steps > saved_optimizer(m, k).at("scheduler_steps").get<std::int64_t>())
+      throw CheckpointError(where + "call load_state before training: the scheduler has already stepped");
   // Restoring must not be recorded by autograd, and must write in place
   // (DDP's gradient views and the optimizer refer to these tensors).
   c10::NoGradGuard no_grad;
-  const auto mine = t.engine.sharded_parameters();
-  if (holds_sharded_model(m)) {
-    // By parameter name: into this rank's shards if the engine saves sharded
-    // too, else into the gathered whole model (NOTE [Sharded checkpoints]).
-    const auto files = names.sharded_model(0);
-    try {
-      ShardedModelReader reader(dir, files);
-      if (mine) {
-        load_sharded_into_shards(reader, *mine->module, *mine, *shards);
-      } else if (part.count > 1) {
-        // A part's shards are named within the module its engine prepared
-        // (a pipeline stage's), not within the whole model this rank holds.
-        throw CheckpointError(where + "holds each model part's shards (SHARDED_STATE_DICT): load it with a "
-                              "Parallel<ZeRO<3>> trainer whose state_dict_type is SHARDED_STATE_DICT");
-      } else {
-        t.engine.gather_full_parameters();
-        load_sharded_into_module(reader, *t.models[0]);
-        t.engine.release_full_parameters(strategy::FullParameters::loaded);
+  for (std::size_t i = 0; i < t.models.size(); ++i) {
+    auto& engine = *t.engines[i];
+    if (holds_sharded_model(m)) {
+      // By parameter name: into this rank's shards if the engine saves sharded
+      // too, else into the gathered whole model (NOTE [Sharded checkpoints]).
+      const auto files = names.sharded_model(i);
+      const auto mine = engine.sharded_parameters();
+      try {
+        ShardedModelReader reader(dir, files);
+        if (mine) {
+          load_sharded_into_shards(reader, *mine->module, *mine, *engine.shard_layout());
+        } else if (part.count > 1) {
+          // A part's shards are named within the module its engine prepared
+          // (a pipeline stage's), not within the whole model this rank holds.
+          throw CheckpointError(where + "holds each model part's shards (SHARDED_STATE_DICT): load it with a "
+                                "Parallel<ZeRO<3>> trainer whose state_dict_type is SHARDED_STATE_DICT");
+        } else {
+          engine.gather_full_parameters();
+          load_sharded_into_module(reader, *t.models[i]);
+          engine.release_full_parameters(strategy::FullParameters::loaded);
+        }
+      } catch (const CheckpointError& e) {
+        const std::string what = e.what();
+        throw CheckpointError(what.rfind("accel: ", 0) == 0 ? what : where + files.stem + ": " + what);
       }
-    } catch (const CheckpointError& e) {
-      const std::string what = e.what();
-      throw CheckpointError(what.rfind("accel: ", 0) == 0 ? what : where + files.stem + ": " + what);
-    }
-  } else {
-    t.engine.gather_full_parameters();
-    for (std::size_t i = 0; i < t.models.size(); ++i) {
+    } else {
+      engine.gather_full_parameters();
       torch::serialize::InputArchive archive;
       archive.load_from((dir / names.model(i)).string());
       try {
@@ -379,37 +432,39 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
       } catch (const CheckpointError& e) {
         throw CheckpointError(where + names.model(i) + ": " + e.what());
       }
+      engine.release_full_parameters(strategy::FullParameters::loaded);
     }
-    t.engine.release_full_parameters(strategy::FullParameters::loaded);
+    engine.parameters_loaded();  // cpu_offload's host twins
   }
-  t.engine.parameters_loaded();  // cpu_offload's host twins
-  // LibTorch's LRScheduler exposes no state: replay its steps (the
-  // optimizer's learning rates are then overwritten by the saved ones).
-  if (t.scheduler != nullptr)
-    for (; t.counters.scheduler_steps < saved_scheduler_steps; ++t.counters.scheduler_steps) t.scheduler->step();
-  if (t.optimizer != nullptr) {
-    if (!m.value("has_optimizer", false))
-      throw CheckpointError(where + "holds no optimizer state, but an optimizer was prepared");
-    const bool sharded = !m.at("replicated").get<bool>();
+  for (std::size_t k = 0; k < t.optimizers.size(); ++k) {
+    const auto& o = t.optimizers[k];
+    const auto saved = saved_optimizer(m, k);
+    // LibTorch's LRScheduler exposes no state: replay its steps (the
+    // optimizer's learning rates are then overwritten by the saved ones).
+    if (o.scheduler != nullptr)
+      for (const auto steps = saved.at("scheduler_steps").get<std::int64_t>(); *o.scheduler_steps < steps;
+           ++*o.scheduler_steps)
+        o.scheduler->step();
+    auto& engine = *t.engines[o.model];
+    const auto shards = engine.shard_layout();
+    const bool sharded = !saved.at("replicated").get<bool>();
     if (sharded != shards.has_value())
       throw CheckpointError(where + (sharded ? "holds ZeRO-sharded optimizer state; load it with a ZeRO strategy"
                                              : "holds unsharded (DDP) optimizer state; load it with DDP or "
                                                "SingleProcess"));
     if (shards) {
-      const auto saved_numels = m.contains("bucket_numels_by_part")
-                                    ? m.at("bucket_numels_by_part").at(part.index).get<std::vector<std::int64_t>>()
-                                    : m.at("bucket_numels").get<std::vector<std::int64_t>>();
+      const auto saved_numels = saved.at("bucket_numels_by_part").at(part.index).get<std::vector<std::int64_t>>();
       if (saved_numels != shards->bucket_numels)
         throw CheckpointError(where + "its ZeRO buckets hold " + nlohmann::json(saved_numels).dump() +
                               " elements, this trainer's a different layout: use the same bucket_cap_mb and model");
-      const int saved_shards = m.at("shard_count").get<int>();
+      const int saved_shards = saved.at("shard_count").get<int>();
       if (saved_shards == shards->count)
-        torch::load(*t.optimizer, (dir / names.optimizer_shard(shards->rank)).string());
+        torch::load(*o.optimizer, (dir / names.optimizer_shard(k, shards->rank)).string());
       else
-        reshard_optimizer_state(*t.optimizer, t.engine.optimizer_parameters(), *shards, saved_shards,
-                                [&](int s) { return dir / names.optimizer_shard(s); });
+        reshard_optimizer_state(*o.optimizer, engine.optimizer_parameters(), *shards, saved_shards,
+                                [&](int s) { return dir / names.optimizer_shard(k, s); });
     } else {
-      torch::load(*t.optimizer, (dir / names.optimizer()).string());
+      torch::load(*o.optimizer, (dir / names.optimizer(k)).string());
     }
   }
   if (m.at("custom_objects").get<std::size_t>() != t.custom.size())
@@ -465,35 +520,41 @@ ACCEL_COMPILED_ONCE void save_state(TrainerView& t, const std::filesystem::path&
   t.world.barrier();
   torch::save(device::random_states(t.device),
               (target / ("random_states_" + std::to_string(t.world.rank()) + ".pt")).string());
-  const auto part = t.engine.model_part(t.world);
-  const auto shards = t.engine.shard_layout();
+  const auto part = t.engines.front()->model_part(t.world);
   const auto names = detail::names_for(part);
-  if (t.optimizer != nullptr && shards && shards->writer)
-    torch::save(*t.optimizer, (target / names.optimizer_shard(shards->rank)).string());
-  const auto sharded = t.engine.sharded_parameters();
-  if (sharded) {
-    // Each rank its own shards (NOTE [Sharded checkpoints]): the model is never whole.
-    save_sharded_model(target, names.sharded_model(0), *sharded->module, *sharded, *shards);
-  } else {
-    // ZeRO-3 holds only shards: every rank helps gather the full model first.
-    t.engine.gather_full_parameters();
-    if (part.writer)
-      for (std::size_t i = 0; i < t.models.size(); ++i) torch::save(t.models[i], (target / names.model(i)).string());
+  std::vector<detail::OptimizerShards> shards;
+  for (std::size_t k = 0; k < t.optimizers.size(); ++k) {
+    const auto& o = t.optimizers[k];
+    auto layout = t.engines[o.model]->shard_layout();
+    if (layout && layout->writer) torch::save(*o.optimizer, (target / names.optimizer_shard(k, layout->rank)).string());
+    if (!layout && part.writer) torch::save(*o.optimizer, (target / names.optimizer(k)).string());
+    shards.push_back({std::move(layout), {}});
   }
-  if (part.writer && t.optimizer != nullptr && !shards)
-    torch::save(*t.optimizer, (target / names.optimizer()).string());
+  bool model_sharded = false;
+  for (std::size_t i = 0; i < t.models.size(); ++i) {
+    auto& engine = *t.engines[i];
+    if (const auto sharded = engine.sharded_parameters()) {
+      // Each rank its own shards (NOTE [Sharded checkpoints]): the model is never whole.
+      model_sharded = true;
+      save_sharded_model(target, names.sharded_model(i), *sharded->module, *sharded, *engine.shard_layout());
+    } else {
+      // ZeRO-3 holds only shards: every rank helps gather the full model first.
+      engine.gather_full_parameters();
+      if (part.writer) torch::save(t.models[i], (target / names.model(i)).string());
+      engine.release_full_parameters(strategy::FullParameters::unchanged);
+    }
+  }
   if (main)
     for (std::size_t i = 0; i < t.custom.size(); ++i) {
       torch::serialize::OutputArchive archive;
       t.custom[i].save(archive);
       archive.save_to((target / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string());
     }
-  if (!sharded) t.engine.release_full_parameters(strategy::FullParameters::unchanged);
-  const auto numels = shards ? detail::bucket_numels_by_part(t.world, part, shards->bucket_numels)
-                             : std::vector<std::vector<std::int64_t>>{};
+  for (auto& o : shards)  // a collective per sharded optimizer, in the same order on every rank
+    if (o.layout) o.numels_by_part = detail::bucket_numels_by_part(t.world, part, o.layout->bucket_numels);
   t.world.barrier();
   if (main) {
-    auto manifest = detail::describe(t, part, shards, sharded.has_value(), numels);
+    auto manifest = detail::describe(t, part, shards, model_sharded);
     manifest["files"] = file_sizes(target);
     write_atomically(target / manifest_name, manifest.dump(2));
     if (replace) {

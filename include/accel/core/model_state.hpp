@@ -24,6 +24,16 @@ struct ModelStateBytes {
   std::int64_t total() const { return parameters + gradients + optimizer_state; }
   std::int64_t offloaded_total() const { return offloaded_parameters + offloaded_gradients + offloaded_optimizer_state; }
   bool operator==(const ModelStateBytes&) const = default;
+  /// Several models' state together (a Trainer with several models).
+  ModelStateBytes& operator+=(const ModelStateBytes& more) {
+    parameters += more.parameters;
+    gradients += more.gradients;
+    optimizer_state += more.optimizer_state;
+    offloaded_parameters += more.offloaded_parameters;
+    offloaded_gradients += more.offloaded_gradients;
+    offloaded_optimizer_state += more.offloaded_optimizer_state;
+    return *this;
+  }
 };
 
 }  // namespace accel

@@ -14,8 +14,10 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "accel/comm/communicator.hpp"
@@ -36,16 +38,21 @@ class GradScaler {
 
   double scale() const { return state_.scale; }
   const ScalerState& state() const { return state_; }
-  void load_state(const ScalerState& state) { state_ = state; unscaled_ = false; }
+  void load_state(const ScalerState& state) {
+    state_ = state;
+    unscaled_.clear();
+  }
 
   /// The loss to call backward on.
   at::Tensor scale_loss(const at::Tensor& loss) const { return loss * state_.scale; }
 
-  /// Divides the gradients by the scale (once per step: clipping calls it
-  /// before the optimizer step does) and returns whether any rank found an
-  /// inf or NaN.
+  /// Divides the gradients by the scale (once per optimizer and step:
+  /// clipping calls it before the optimizer step does; `params` stands for
+  /// its optimizer) and returns whether any rank found an inf or NaN.
   bool unscale(const std::vector<at::Tensor>& params, comm::Communicator& comm) {
-    if (unscaled_) return found_inf_;
+    const void* key = params.empty() ? nullptr : params.front().unsafeGetTensorImpl();
+    for (const auto& [seen, found] : unscaled_)
+      if (seen == key) return found;
     std::vector<at::Tensor> grads;
     for (const auto& p : params)
       if (p.grad().defined()) grads.push_back(p.grad());
@@ -68,30 +75,30 @@ class GradScaler {
       comm.all_reduce(flag, "all-reduce of the fp16 overflow flag");
       found = flag.item<float>() != 0.0f;
     }
-    unscaled_ = true;
-    found_inf_ = found;
+    unscaled_.emplace_back(key, found);
     return found;
   }
 
   /// The scale after a step: back off on overflow, grow after
   /// `growth_interval` clean steps in a row.
+  /// As torch.amp.GradScaler.update: an inf or NaN in any optimizer
+  /// unscaled since the last update backs off; every one is unscaled anew next time.
   void update() {
-    if (found_inf_) {
+    const bool found_inf = std::any_of(unscaled_.begin(), unscaled_.end(), [](const auto& u) { return u.second; });
+    if (found_inf) {
       state_.scale *= settings_.backoff_factor;
       state_.growth_tracker = 0;
     } else if (++state_.growth_tracker == settings_.growth_interval) {
       state_.scale *= settings_.growth_factor;
       state_.growth_tracker = 0;
     }
-    unscaled_ = false;
-    found_inf_ = false;
+    unscaled_.clear();
   }
 
  private:
   FP16 settings_;
   ScalerState state_;
-  bool unscaled_ = false;
-  bool found_inf_ = false;
+  std::vector<std::pair<const void*, bool>> unscaled_;  // per optimizer unscaled since the last update: found an inf
 };
 
 }  // namespace accel::precision

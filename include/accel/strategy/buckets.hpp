@@ -47,6 +47,7 @@
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
 #include "accel/core/compiled_once.hpp"
+#include "accel/strategy/autograd_graph.hpp"
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/engine.hpp"
 #include "accel/strategy/module_tree.hpp"
@@ -500,16 +501,7 @@ ACCEL_COMPILED_ONCE void BucketedEngineBase::plan_buckets(const std::function<in
 
 ACCEL_COMPILED_ONCE auto BucketedEngineBase::find_unused(const at::Tensor& loss) const -> std::vector<char> {
   auto& s = *state_;
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack;
-  if (auto root = loss.grad_fn()) stack.push_back(root.get());
-  while (!stack.empty()) {
-    auto* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second) continue;
-    for (const auto& edge : node->next_edges())
-      if (edge.function) stack.push_back(edge.function.get());
-  }
+  const auto seen = reachable_nodes(loss);
   std::vector<char> unused(s.params.size(), 0);
   for (std::size_t i = 0; i < s.params.size(); ++i) unused[i] = !seen.count(accumulators_[i].get());
   return unused;

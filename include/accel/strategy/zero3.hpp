@@ -372,6 +372,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     z3_->current = SIZE_MAX;
   }
   void after_forward() {
+    if (detached_) return;  // unwrapped: the model stays whole
     z3_->last_forward_order = z3_->forward_order;
     z3_->reshard_all();  // reshard after forward
   }
