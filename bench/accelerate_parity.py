@@ -12,7 +12,7 @@
     python accelerate_parity.py sampler --samples N --world W --batch_size B [--shuffle --seed S --epoch E --drop_last]
         the indices Accelerate's prepared DataLoader gives each rank, as JSON
         (tests/torch/test_accelerate.cpp compares accel's loader with it); --reverse
-        with a user sampler (the indices backwards), --passes K: K passes
+        with a user sampler (the indices backwards), --batch_sampler: a user batch sampler, --passes K: K passes
         without set_epoch, as a list of passes; --iterable: the samples as an
         IterableDataset (Accelerate's IterableDatasetShard)
     torchrun --nproc_per_node N accelerate_parity.py surface --out F
@@ -155,6 +155,26 @@ class ReverseSampler(torch.utils.data.Sampler):
         return self.n
 
 
+class CyclingBatchSampler:
+    """A user's batch sampler: the samples in order, in batches of 3, 1, 4, 1, 5, 3, 1, ... samples."""
+
+    sizes = (3, 1, 4, 1, 5)
+
+    def __init__(self, n, drop_last=False):
+        self.n = n
+        self.drop_last = drop_last  # BatchSamplerShard reads it: under it the last incomplete round is dropped
+
+    def __iter__(self):
+        start, k = 0, 0
+        while start < self.n:
+            size = self.sizes[k % len(self.sizes)]
+            yield list(range(start, min(start + size, self.n)))
+            start, k = start + size, k + 1
+
+    def __len__(self):
+        return sum(1 for _ in iter(self))
+
+
 class Stream(torch.utils.data.IterableDataset):
     """An iterable dataset: the samples 0..n-1 as a stream."""
 
@@ -174,6 +194,8 @@ def sampler(args):
         dataset = TensorDataset(torch.arange(args.samples))
         if args.iterable:
             loader = DataLoader(Stream(args.samples), batch_size=args.batch_size, drop_last=args.drop_last)
+        elif args.batch_sampler:
+            loader = DataLoader(dataset, batch_sampler=CyclingBatchSampler(args.samples, args.drop_last))
         elif args.reverse:
             loader = DataLoader(dataset, batch_size=args.batch_size, sampler=ReverseSampler(args.samples),
                                 drop_last=args.drop_last)
@@ -186,6 +208,9 @@ def sampler(args):
             per_rank.append([[int(i) for (batch,) in prepared for i in batch] for _ in range(args.passes)])
             continue
         prepared.set_epoch(args.epoch)
+        if args.batch_sampler:  # the batches themselves: their sizes are the sampler's
+            per_rank.append([[int(i) for i in batch] for (batch,) in prepared])
+            continue
         per_rank.append([int(i) for (batch,) in prepared for i in batch])
     print(json.dumps(per_rank))
     return 0
@@ -275,6 +300,8 @@ def main():
     p.add_argument("--reverse", action="store_true", help="a user sampler: the samples backwards")
     p.add_argument("--passes", type=int, default=0, help="passes without set_epoch (a list of passes per rank)")
     p.add_argument("--iterable", action="store_true", help="the samples as an IterableDataset")
+    p.add_argument("--batch_sampler", action="store_true",
+                   help="a user batch sampler of batches of 3, 1, 4, 1, 5 samples (a list of batches per rank)")
     p = sub.add_parser("surface")
     p.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -254,14 +254,33 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   template <class Dataset, data::torch_sampler Sampler>
     requires(data::batched_dataset<Dataset> || data::torch_dataset<Dataset>)
   auto prepare(Dataset dataset, LoaderOptions options, Sampler sampler) {
-    if (options.shuffle)
-      throw std::invalid_argument("accel: a loader with a sampler cannot also shuffle (the sampler gives the order, "
-                                  "as in PyTorch's DataLoader): drop .shuffle, or use a RandomSampler");
-    std::size_t size = 0;
-    if constexpr (data::torch_dataset<Dataset>) size = dataset.size().value_or(0);
-    else size = static_cast<std::size_t>(dataset.size());
+    refuse_shuffle_with_sampler(options);
+    const auto size = dataset_size(dataset);
     return make_loader(std::move(dataset), options, data::epoch_order_of(std::move(sampler), size, options.seed,
                                                                                static_cast<std::size_t>(options.batch_size)));
+  }
+
+  /// The same with a LibTorch batch sampler, whose batches keep their own
+  /// sizes (Python's DataLoader(batch_sampler=...)): wrap it,
+  /// `prepare(dataset, {.even_batches = ...}, accel::data::batch_sampler(sampler))`.
+  /// Batch i goes whole to data rank i mod N, as Accelerate's
+  /// BatchSamplerShard deals a batch sampler's batches: the last round is
+  /// filled with the epoch's first batches (even_batches; gather_for_metrics
+  /// drops them), or left short (even_batches = false: the ranks past the
+  /// last batch run an empty one), or dropped (drop_last). Positions and
+  /// checkpoints count batches. `options.batch_size` is what the sampler is
+  /// asked for; split_batches is refused, as Accelerate refuses it.
+  template <class Dataset, data::torch_sampler Sampler>
+    requires(data::batched_dataset<Dataset> || data::torch_dataset<Dataset>)
+  auto prepare(Dataset dataset, LoaderOptions options, data::BatchSampler<Sampler> sampler) {
+    refuse_shuffle_with_sampler(options);
+    if (options.split_batches)
+      throw std::invalid_argument("accel: split_batches splits batches of one known size; a batch sampler's batches "
+                                  "have their own sizes and are dealt to the ranks whole (Accelerate refuses it too)");
+    const auto size = dataset_size(dataset);
+    return make_loader(std::move(dataset), options, {},
+                       data::epoch_batches_of(std::move(sampler.sampler), size, options.seed,
+                                              static_cast<std::size_t>(options.batch_size)));
   }
 
   // ------------------------------------------------------------ the step
@@ -502,8 +521,14 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     auto& group = data_group();
     if (!group.distributed()) return tensor;
     const auto& cursor = *cursor_;
-    if (cursor.sampler != nullptr && !cursor.sampler->even())  // no padding to drop; batches may differ in size
-      return at::cat(comm::all_gather_rows(group, tensor, "gather_for_metrics"), 0);
+    if (cursor.sampler != nullptr && !cursor.sampler->even()) {  // batches may differ in size
+      auto parts = comm::all_gather_rows(group, tensor, "gather_for_metrics");
+      // A batch sampler's last round filled with its first batches: those go (the rest pads nothing).
+      if (cursor.sampler->batched())
+        for (int r = 0; r < group.size(); ++r)
+          if (!cursor.sampler->real_batch(r, cursor.batch)) parts[r] = parts[r].narrow(0, 0, 0);
+      return at::cat(parts, 0);
+    }
     auto parts = group.all_gather(tensor, "gather_for_metrics");
     if (tensor.size(0) != cursor.count) return at::cat(parts, 0);
     for (int r = 0; r < group.size(); ++r) {
@@ -856,16 +881,28 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   }
 
   template <class Dataset>
-  auto make_loader(Dataset dataset, LoaderOptions options, data::EpochOrder order) {
+  auto make_loader(Dataset dataset, LoaderOptions options, data::EpochOrder order, data::EpochBatches batches = {}) {
     if constexpr (data::torch_dataset<Dataset>) {
-      return make_loader(data::TorchDataset<Dataset>(std::move(dataset)), options, std::move(order));
+      return make_loader(data::TorchDataset<Dataset>(std::move(dataset)), options, std::move(order), std::move(batches));
     } else {
       split_batches_ = split_batches_ || options.split_batches;
       // Tensor and pipeline peers read the same samples: shard over the data group.
       auto& group = data_group();
       return data::DataLoader<Dataset>(std::move(dataset), options, group.size(), group.rank(), device_, cursor_,
-                                       register_loader(), std::move(order));
+                                       register_loader(), std::move(order), std::move(batches));
     }
+  }
+
+  static void refuse_shuffle_with_sampler(const LoaderOptions& options) {
+    if (options.shuffle)
+      throw std::invalid_argument("accel: a loader with a sampler cannot also shuffle (the sampler gives the order, "
+                                  "as in PyTorch's DataLoader): drop .shuffle, or use a RandomSampler");
+  }
+
+  template <class Dataset>
+  static std::size_t dataset_size(const Dataset& dataset) {
+    if constexpr (data::torch_dataset<Dataset>) return dataset.size().value_or(0);
+    else return static_cast<std::size_t>(dataset.size());
   }
 
   // A new loader's position, which checkpoints save and restore.

@@ -3,10 +3,13 @@
 // data-parallel strategy and precision, against one process; checkpoints,
 // per-model clipping and the model state of two models; what is refused.
 #include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/schedulers/step_lr.h>
 
 #include <filesystem>
 #include <fstream>
+
+#include <accel/estimate/module.hpp>
 
 #include "doctest_torch.hpp"
 
@@ -224,26 +227,41 @@ TEST_SUITE("porting") {
     each(accel::ZeRO<2>{});
   }
 
-  TEST_CASE("two models' state is the sum of each model's in a Trainer of its own (DDP, ZeRO-2, ZeRO-3)") {
+  TEST_CASE("two models' state after a step (step(lambda) steps both optimizers) is the sum of each model's in a "
+            "Trainer of its own, and of each model's estimate (DDP, ZeRO-2, ZeRO-3)") {
     auto each = [](auto strategy) {
       using Strategy = decltype(strategy);
       accel::spawn(2, [&](int) {
+        const auto noise = at::randn({4, 4});
         auto g = make_generator(), d = make_discriminator();
         torch::optim::Adam opt_g(g->parameters()), opt_d(d->parameters());
         accel::Trainer<Strategy> both;
         both.prepare(g, d, opt_g, opt_d);
+        both.step([&] { return bce(d->forward(g->forward(noise)), 1.0); });
+        // Each model alone: the generator through a frozen discriminator, the discriminator on a fixed input.
         auto g1 = make_generator(), d1 = make_discriminator();
         torch::optim::Adam opt_g1(g1->parameters()), opt_d1(d1->parameters());
         accel::Trainer<Strategy> only_g, only_d;
         only_g.prepare(g1, opt_g1);
         only_d.prepare(d1, opt_d1);
+        only_d.step([&] { return bce(d1->forward(at::randn({4, 3})), 1.0); });
+        auto frozen = make_discriminator();
+        for (auto& p : frozen->parameters()) p.requires_grad_(false);
+        only_g.step([&] { return bce(frozen->forward(g1->forward(noise)), 1.0); });
         auto sum = only_g.model_state_bytes();
         sum += only_d.model_state_bytes();
         const auto total = both.model_state_bytes();
-        require(total == sum, "two models' parameters " + std::to_string(total.parameters) + " vs " +
-                                  std::to_string(sum.parameters) + ", gradients " + std::to_string(total.gradients) +
-                                  " vs " + std::to_string(sum.gradients));
-        require(total.parameters > 0, "parameters counted");
+        auto text = [](const accel::ModelStateBytes& b) {
+          return std::to_string(b.parameters) + "/" + std::to_string(b.gradients) + "/" +
+                 std::to_string(b.optimizer_state);
+        };
+        require(total == sum, "two models " + text(total) + " vs each alone " + text(sum));
+        require(total.optimizer_state > 0, "Adam's state counted");
+        auto estimate = accel::estimate::model_state(accel::estimate::shape_of(*g, &opt_g), strategy, 2,
+                                                     accel::estimate::optimizer_shape(opt_g));
+        estimate += accel::estimate::model_state(accel::estimate::shape_of(*d, &opt_d), strategy, 2,
+                                                 accel::estimate::optimizer_shape(opt_d));
+        require(total == estimate, "two models " + text(total) + " vs the estimates' sum " + text(estimate));
       }, bounded());
     };
     each(accel::DDP{});

@@ -5,6 +5,7 @@
 // gather_for_metrics knows which gathered rows are padding.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -13,6 +14,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "accel/data/dataset.hpp"
 #include "accel/data/prefetch.hpp"
@@ -198,9 +200,13 @@ class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
   using Passes = LoaderPasses<DataLoader<Dataset>>;
 
  public:
+  /// `order`: a user's sampler's order of the samples; `batches`: a user's
+  /// batch sampler's batches, dealt whole (positions then count batches:
+  /// one per data rank and step).
   DataLoader(Dataset dataset, LoaderOptions options, int world_size, int rank, at::Device device,
-             std::shared_ptr<LoaderCursor> cursor, std::shared_ptr<LoaderPosition> position, EpochOrder order = {})
-      : Passes(position, per_rank_options(options, world_size).batch_size * world_size),
+             std::shared_ptr<LoaderCursor> cursor, std::shared_ptr<LoaderPosition> position, EpochOrder order = {},
+             EpochBatches batches = {})
+      : Passes(position, batches ? world_size : per_rank_options(options, world_size).batch_size * world_size),
         dataset_(std::move(dataset)),
         options_(per_rank_options(options, world_size)),
         sampler_(std::make_unique<DistributedSampler>(
@@ -211,18 +217,19 @@ class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
                            .sharding = options_.sharding,
                            .batch_size = options_.batch_size,
                            .even_batches = options_.even_batches},
-            std::move(order))),
+            std::move(order), std::move(batches))),
         device_(device),
         cursor_(std::move(cursor)) {
     if (options_.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
     if (options_.num_workers < 0 || options_.prefetch_factor < 1)
       throw std::invalid_argument("accel: num_workers must be at least 0 and prefetch_factor at least 1");
-    position->batch_size = options_.batch_size;
+    position->batch_size = sampler_->batched() ? 1 : options_.batch_size;
     this->set_batches(size());
   }
 
   /// Batches per epoch on this rank (the same on every rank unless even_batches is off).
   std::int64_t size() const {
+    if (sampler_->batched()) return sampler_->batches_per_rank();
     const auto n = sampler_->most_per_rank();  // without even_batches, short ranks end on smaller or empty batches
     return options_.drop_last ? n / options_.batch_size : (n + options_.batch_size - 1) / options_.batch_size;
   }
@@ -230,13 +237,21 @@ class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
 
   /// An input iterator: `*it` loads its batch once and hands out a
   /// reference to it, so `auto`, `auto&` and `const auto&` loops all work.
+  /// One pass: this rank's samples in reading order, and where each batch
+  /// starts in them (batch b is [offsets[b], offsets[b + 1])).
+  struct Pass {
+    at::Tensor indices;
+    std::vector<std::int64_t> offsets;
+  };
+
   class iterator : public BatchIteratorTypes {
    public:
     iterator() = default;
-    iterator(DataLoader* loader, at::Tensor indices, std::int64_t batch) : loader_(loader), indices_(std::move(indices)), batch_(batch) {}
+    iterator(DataLoader* loader, std::shared_ptr<const Pass> pass, std::int64_t batch)
+        : loader_(loader), pass_(std::move(pass)), batch_(batch) {}
     Batch& operator*() const {
       if (!loaded_) {
-        current_ = loader_->load(indices_, batch_);
+        current_ = loader_->load(*pass_, batch_);
         loaded_ = true;
       }
       return current_;
@@ -252,7 +267,7 @@ class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
 
    private:
     DataLoader* loader_ = nullptr;
-    at::Tensor indices_;
+    std::shared_ptr<const Pass> pass_;
     std::int64_t batch_ = 0;
     mutable Batch current_;
     mutable bool loaded_ = false;
@@ -264,23 +279,37 @@ class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
   iterator begin() {
     const std::int64_t first = this->begin_pass(size());
     sampler_->set_epoch(this->epoch());
-    at::Tensor indices = sampler_->indices();
+    auto pass = make_pass();
     prefetcher_.reset();  // a pass left early: its workers stop
     if (options_.num_workers > 0)
-      prefetcher_ = std::make_unique<Prefetcher>([this, indices](std::int64_t batch) { return fetch(indices, batch); },
+      prefetcher_ = std::make_unique<Prefetcher>([this, pass](std::int64_t batch) { return fetch(*pass, batch); },
                                                  first, size(), options_.num_workers,
                                                  options_.num_workers * options_.prefetch_factor);
-    return iterator(this, std::move(indices), first);
+    return iterator(this, std::move(pass), first);
   }
   iterator end() { return iterator(this, {}, size()); }
 
  private:
-  Batch load(const at::Tensor& indices, std::int64_t batch) {
-    const std::int64_t first = batch * options_.batch_size;
-    const std::int64_t count = std::clamp<std::int64_t>(indices.size(0) - first, 0, options_.batch_size);
+  std::shared_ptr<const Pass> make_pass() const {
+    auto pass = std::make_shared<Pass>();
+    pass->offsets.push_back(0);
+    if (sampler_->batched()) {
+      auto batches = sampler_->rank_batches();
+      for (const auto& b : batches) pass->offsets.push_back(pass->offsets.back() + b.size(0));
+      pass->indices = at::cat(batches);
+    } else {
+      pass->indices = sampler_->indices();
+      const std::int64_t n = pass->indices.size(0);  // the last batch smaller, or empty on a short rank
+      for (std::int64_t b = 1; b <= size(); ++b) pass->offsets.push_back(std::min(b * options_.batch_size, n));
+    }
+    return pass;
+  }
+
+  Batch load(const Pass& pass, std::int64_t batch) {
+    const std::int64_t first = pass.offsets[batch], count = pass.offsets[batch + 1] - first;
     *cursor_ = LoaderCursor{sampler_.get(), sampler_->epoch(), batch, first, count, batch + 1 == size()};
     this->served(batch);
-    Batch b = prefetcher_ ? prefetcher_->take(batch) : fetch(indices, batch);
+    Batch b = prefetcher_ ? prefetcher_->take(batch) : fetch(pass, batch);
     if (b.data.device() != device_) {
       b.data = b.data.to(device_);
       if (b.target.defined()) b.target = b.target.to(device_);  // a dataset without targets has none
@@ -289,10 +318,8 @@ class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
   }
 
   // The dataset's batch `batch` of this pass's `indices` (on a worker thread with num_workers).
-  Batch fetch(const at::Tensor& indices, std::int64_t batch) const {
-    const std::int64_t first = batch * options_.batch_size;
-    const std::int64_t count = std::clamp<std::int64_t>(indices.size(0) - first, 0, options_.batch_size);
-    return dataset_.get(indices.slice(0, first, first + count));
+  Batch fetch(const Pass& pass, std::int64_t batch) const {
+    return dataset_.get(pass.indices.slice(0, pass.offsets[batch], pass.offsets[batch + 1]));
   }
 
   Dataset dataset_;

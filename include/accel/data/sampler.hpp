@@ -9,6 +9,10 @@
 //   takes positions r, r+n, ... and batches its own share.
 // Either way one step's global batch is the same set of samples; the split
 // across ranks differs (which matters where partial sums round, as in bf16).
+// A user's batch sampler (batches of its own sizes: EpochBatches) is dealt
+// as Accelerate's BatchSamplerShard deals one: batch i to rank i mod n,
+// whole; the last round filled with the epoch's first batches (even_batches)
+// or left short, or dropped (drop_last).
 // With even_batches off (Accelerate's DataLoaderConfiguration(even_batches=
 // False)) nothing is padded: the order is dealt out the same way and the last
 // ranks simply get less. The loader still runs as many batches on every rank
@@ -20,6 +24,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/randperm.h>
 #include <ATen/ops/tensor.h>
 
@@ -54,16 +59,32 @@ struct SamplerOptions {
 /// BatchSamplerShard around the user's sampler).
 using EpochOrder = std::function<at::Tensor(std::int64_t epoch)>;
 
+/// A user's batch sampler's epoch: its batches of indices, each of its own
+/// size (the same number of batches every epoch), dealt to the ranks whole.
+using EpochBatches = std::function<std::vector<at::Tensor>(std::int64_t epoch)>;
+
 class DistributedSampler {
  public:
   DistributedSampler(std::int64_t dataset_size, int num_replicas, int rank, SamplerOptions options,
-                     EpochOrder order = {})
+                     EpochOrder order = {}, EpochBatches batches = {})
       : size_(order ? order(0).size(0) : dataset_size),
         replicas_(num_replicas),
         rank_(rank),
         options_(options),
-        order_(std::move(order)) {
+        order_(std::move(order)),
+        batches_(std::move(batches)),
+        batch_count_(batches_ ? static_cast<std::int64_t>(batches_(0).size()) : 0) {
     if (dataset_size <= 0) throw std::invalid_argument("accel: cannot shard an empty dataset");
+    if (batches_) {
+      if (options.sharding == Sharding::samples || options.shuffle)
+        throw std::invalid_argument("accel: a batch sampler's batches are dealt to the ranks whole, in its order: "
+                                    "use Sharding::batches and no shuffle");
+      if (batch_count_ == 0) throw std::invalid_argument("accel: the batch sampler gave no batches for epoch 0");
+      if (options.drop_last && batch_count_ < num_replicas)
+        throw std::invalid_argument("accel: drop_last with " + std::to_string(batch_count_) +
+                                    " batches leaves nothing for " + std::to_string(num_replicas) + " ranks");
+      return;
+    }
     if (options.batch_size < 1) throw std::invalid_argument("accel: batch_size must be at least 1");
     if (options.drop_last && dataset_size < num_replicas * unit())
       throw std::invalid_argument("accel: drop_last with " + std::to_string(dataset_size) +
@@ -74,8 +95,42 @@ class DistributedSampler {
   std::int64_t epoch() const { return epoch_; }
   std::int64_t dataset_size() const { return size_; }
 
-  /// Whether every rank reads as many samples (padded or dropped to even them out).
-  bool even() const { return options_.even_batches || options_.drop_last || replicas_ == 1; }
+  /// Whether every rank reads as many samples (padded or dropped to even
+  /// them out). Never with a batch sampler's batches, whose sizes differ.
+  bool even() const {
+    if (batches_) return replicas_ == 1;
+    return options_.even_batches || options_.drop_last || replicas_ == 1;
+  }
+
+  /// Whether a user's batch sampler gives the batches (EpochBatches).
+  bool batched() const { return static_cast<bool>(batches_); }
+  /// With a batch sampler: the batches every rank runs per epoch (a rank
+  /// past the sampler's last batch, under even_batches = false, runs empty ones).
+  std::int64_t batches_per_rank() const {
+    if (options_.drop_last) return batch_count_ / replicas_;
+    return (batch_count_ + replicas_ - 1) / replicas_;
+  }
+  /// With a batch sampler: whether `rank`'s batch `batch` is one of the
+  /// sampler's, not a repeat filling the last round (or an empty one).
+  bool real_batch(int rank, std::int64_t batch) const { return batch * replicas_ + rank < batch_count_; }
+  /// With a batch sampler: this rank's batches of the current epoch, as
+  /// Accelerate's BatchSamplerShard deals them (see the top of this file).
+  std::vector<at::Tensor> rank_batches() const {
+    auto all = batches_(epoch_);
+    if (static_cast<std::int64_t>(all.size()) != batch_count_)
+      throw std::invalid_argument("accel: the batch sampler gave " + std::to_string(all.size()) + " batches for epoch " +
+                                  std::to_string(epoch_) + " but " + std::to_string(batch_count_) +
+                                  " for epoch 0: it must give as many every epoch");
+    std::vector<at::Tensor> mine;
+    const std::int64_t head = std::min<std::int64_t>(batch_count_, replicas_);  // what fills the last round
+    for (std::int64_t b = 0; b < batches_per_rank(); ++b) {
+      const std::int64_t i = b * replicas_ + rank_;
+      if (i < batch_count_) mine.push_back(all[i]);
+      else if (options_.even_batches) mine.push_back(all[(i - batch_count_) % head]);
+      else mine.push_back(at::empty({0}, at::TensorOptions().dtype(at::kLong)));
+    }
+    return mine;
+  }
 
   /// Samples this rank reads (after padding or dropping).
   std::int64_t per_rank() const {
@@ -162,6 +217,8 @@ class DistributedSampler {
   int rank_;
   SamplerOptions options_;
   EpochOrder order_;
+  EpochBatches batches_;
+  std::int64_t batch_count_ = 0;  // a batch sampler's batches per epoch
   std::int64_t epoch_ = 0;
 };
 

@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/ArrayRef.h>
 
 #include <concepts>
@@ -112,6 +113,12 @@ class TorchDataset {
   }
   std::int64_t size() const { return static_cast<std::int64_t>(*dataset_->size()); }
   Batch get(const at::Tensor& idx) const {
+    if (idx.numel() == 0) {
+      // A short rank's empty batch (even_batches = false): sample 0's shapes with no rows, as LibTorch's
+      // transforms (Stack<>) cannot stack nothing.
+      Batch one = get(at::zeros({1}, at::TensorOptions().dtype(at::kLong)));
+      return {one.data.narrow(0, 0, 0), one.target.defined() ? one.target.narrow(0, 0, 0) : at::Tensor()};
+    }
     const at::Tensor host = idx.to(at::kLong).contiguous();
     const auto* p = host.data_ptr<std::int64_t>();
     const std::vector<std::size_t> indices(p, p + host.numel());
@@ -123,54 +130,100 @@ class TorchDataset {
   std::shared_ptr<D> dataset_;  // get_batch is not const in LibTorch
 };
 
-/// The epoch order a LibTorch sampler gives: reset for `size` samples and
-/// read to its end. A sampler that draws from LibTorch's default CPU
-/// generator (RandomSampler) draws with it seeded by seed + epoch, and the
-/// generator is put back as it was, so every rank draws the same order and
-/// the training's own random stream is untouched. A sampler with its own
-/// randomness must give the same order on every rank.
+namespace detail {
+
+// Epoch `epoch` of a LibTorch sampler: reset for `size` samples, asked for
+// batches of `request` until it has none, each handed to `take`. A sampler
+// that draws from LibTorch's default CPU generator (RandomSampler) draws with
+// it seeded by seed + epoch, and the generator is put back as it was, so every
+// rank draws the same order and the training's own random stream is untouched.
+template <class S, class Take>
+void read_sampler_epoch(S& sampler, std::size_t size, std::uint64_t seed, std::int64_t epoch, std::size_t request,
+                        Take&& take) {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  // Not locked while the sampler draws: drawing takes the generator's own lock.
+  auto with_lock = [&](auto&& fn) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    return fn();
+  };
+  const at::Tensor saved = with_lock([&] { return generator.get_state(); });
+  with_lock([&] { generator.set_current_seed(seed + static_cast<std::uint64_t>(epoch)); });
+  try {
+    sampler.reset(size);
+    while (auto batch = sampler.next(request)) {
+      for (std::size_t i : *batch)
+        if (i >= size)
+          throw std::out_of_range("accel: the sampler gave index " + std::to_string(i) + " for a dataset of " +
+                                  std::to_string(size) + " samples");
+      take(*batch);
+    }
+  } catch (...) {
+    with_lock([&] { generator.set_state(saved); });
+    throw;
+  }
+  with_lock([&] { generator.set_state(saved); });
+}
+
+inline at::Tensor index_tensor(const std::vector<std::size_t>& indices) {
+  std::vector<std::int64_t> values(indices.begin(), indices.end());
+  return at::tensor(values, at::TensorOptions().dtype(at::kLong));
+}
+
+}  // namespace detail
+
+/// The epoch order a LibTorch sampler gives, read to its end
+/// (detail::read_sampler_epoch: the same on every rank). A sampler with its
+/// own randomness must give the same order on every rank.
 ///
 /// The sampler is asked for batches of `batch_size` (as LibTorch's own
 /// DataLoader asks it); one that answers with another size before its last
 /// batch is a batch sampler, whose batches would be re-cut here, so it is
-/// refused with a sentence instead (0: any sizes, read as one order).
+/// refused with a sentence naming data::batch_sampler (0: any sizes, read as one order).
 template <torch_sampler S>
 EpochOrder epoch_order_of(S sampler, std::size_t size, std::uint64_t seed, std::size_t batch_size = 0) {
   auto shared = std::make_shared<S>(std::move(sampler));
   return [shared, size, seed, batch_size](std::int64_t epoch) {
-    auto generator = at::detail::getDefaultCPUGenerator();
-    // Not locked while the sampler draws: drawing takes the generator's own lock.
-    auto with_lock = [&](auto&& fn) {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      return fn();
-    };
-    const at::Tensor saved = with_lock([&] { return generator.get_state(); });
-    with_lock([&] { generator.set_current_seed(seed + static_cast<std::uint64_t>(epoch)); });
-    std::vector<std::int64_t> order;
+    std::vector<std::size_t> order;
     std::size_t short_batch = 0;  // the size of a batch smaller than batch_size, once one was seen
-    try {
-      shared->reset(size);
-      while (auto batch = shared->next(batch_size > 0 ? batch_size : size)) {
-        if (batch_size > 0 && (short_batch > 0 || batch->size() > batch_size))
-          throw std::invalid_argument(
-              "accel: the sampler gave a batch of " + std::to_string(short_batch > 0 ? short_batch : batch->size()) +
-              " indices before its last one for batch_size " + std::to_string(batch_size) +
-              ": batches of their own sizes (a batch sampler) are not supported yet; give batches of batch_size "
-              "(the last may be smaller)");
-        if (batch_size > 0 && batch->size() < batch_size) short_batch = batch->size();
-        for (std::size_t i : *batch) order.push_back(static_cast<std::int64_t>(i));
-      }
-    } catch (...) {
-      with_lock([&] { generator.set_state(saved); });
-      throw;
-    }
-    with_lock([&] { generator.set_state(saved); });
+    detail::read_sampler_epoch(*shared, size, seed, epoch, batch_size > 0 ? batch_size : size,
+                               [&](const std::vector<std::size_t>& batch) {
+      if (batch_size > 0 && (short_batch > 0 || batch.size() > batch_size))
+        throw std::invalid_argument(
+            "accel: the sampler gave a batch of " + std::to_string(short_batch > 0 ? short_batch : batch.size()) +
+            " indices before its last one for batch_size " + std::to_string(batch_size) +
+            ": a batch sampler (batches of their own sizes) is prepared wrapped, "
+            "trainer.prepare(dataset, options, accel::data::batch_sampler(sampler)), so that its batches stay whole");
+      if (batch_size > 0 && batch.size() < batch_size) short_batch = batch.size();
+      order.insert(order.end(), batch.begin(), batch.end());
+    });
     if (order.empty()) throw std::invalid_argument("accel: the sampler gave no indices for epoch " + std::to_string(epoch));
-    for (std::int64_t i : order)
-      if (i < 0 || static_cast<std::size_t>(i) >= size)
-        throw std::out_of_range("accel: the sampler gave index " + std::to_string(i) + " for a dataset of " +
-                                std::to_string(size) + " samples");
-    return at::tensor(order, at::TensorOptions().dtype(at::kLong));
+    return detail::index_tensor(order);
+  };
+}
+
+/// A LibTorch sampler whose batches keep their own sizes (what Python's
+/// DataLoader(batch_sampler=...) takes): `trainer.prepare(dataset, options,
+/// accel::data::batch_sampler(sampler))`.
+template <torch_sampler S>
+struct BatchSampler {
+  S sampler;
+};
+template <torch_sampler S>
+BatchSampler<S> batch_sampler(S sampler) {
+  return {std::move(sampler)};
+}
+
+/// The epochs of a batch sampler, batch by batch (read as epoch_order_of
+/// reads a sampler; empty batches are left out).
+template <torch_sampler S>
+EpochBatches epoch_batches_of(S sampler, std::size_t size, std::uint64_t seed, std::size_t batch_size) {
+  auto shared = std::make_shared<S>(std::move(sampler));
+  return [shared, size, seed, batch_size](std::int64_t epoch) {
+    std::vector<at::Tensor> batches;
+    detail::read_sampler_epoch(*shared, size, seed, epoch, batch_size, [&](const std::vector<std::size_t>& batch) {
+      if (!batch.empty()) batches.push_back(detail::index_tensor(batch));
+    });
+    return batches;
   };
 }
 
