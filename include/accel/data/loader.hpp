@@ -235,8 +235,6 @@ class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
   }
   const DistributedSampler& sampler() const { return *sampler_; }
 
-  /// An input iterator: `*it` loads its batch once and hands out a
-  /// reference to it, so `auto`, `auto&` and `const auto&` loops all work.
   /// One pass: this rank's samples in reading order, and where each batch
   /// starts in them (batch b is [offsets[b], offsets[b + 1])).
   struct Pass {
@@ -244,6 +242,8 @@ class DataLoader : public LoaderPasses<DataLoader<Dataset>> {
     std::vector<std::int64_t> offsets;
   };
 
+  /// An input iterator: `*it` loads its batch once and hands out a
+  /// reference to it, so `auto`, `auto&` and `const auto&` loops all work.
   class iterator : public BatchIteratorTypes {
    public:
     iterator() = default;

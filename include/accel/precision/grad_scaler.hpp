@@ -80,9 +80,9 @@ class GradScaler {
   }
 
   /// The scale after a step: back off on overflow, grow after
-  /// `growth_interval` clean steps in a row.
-  /// As torch.amp.GradScaler.update: an inf or NaN in any optimizer
-  /// unscaled since the last update backs off; every one is unscaled anew next time.
+  /// `growth_interval` clean steps in a row. As torch.amp.GradScaler.update,
+  /// an inf or NaN in any optimizer unscaled since the last update counts,
+  /// and each is unscaled anew afterwards.
   void update() {
     const bool found_inf = std::any_of(unscaled_.begin(), unscaled_.end(), [](const auto& u) { return u.second; });
     if (found_inf) {
