@@ -154,6 +154,32 @@ concept optimizer = std::derived_from<T, torch::optim::Optimizer>;
 template <class T>
 concept lr_scheduler = std::derived_from<T, torch::optim::LRScheduler>;
 
+// LibTorch's LRScheduler keeps its optimizer private; its protected
+// get_current_lrs() reads that optimizer's learning rates, and a pointer to
+// it formed in a derived class reaches it on any scheduler.
+struct SchedulerLearningRates : torch::optim::LRScheduler {
+  static std::vector<double> of(const torch::optim::LRScheduler& scheduler) {
+    return (scheduler.*&SchedulerLearningRates::get_current_lrs)();
+  }
+};
+
+// Whether `scheduler` sets `optimizer`'s learning rates: the optimizer's are
+// swapped for negative ones, which no optimizer's real learning rate is, read
+// back through the scheduler and restored.
+inline bool schedules(const torch::optim::LRScheduler& scheduler, torch::optim::Optimizer& optimizer) {
+  auto& groups = optimizer.param_groups();
+  if (groups.empty()) return false;
+  std::vector<double> real, marked;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    real.push_back(groups[g].options().get_lr());
+    marked.push_back(-1.0 - static_cast<double>(g));
+    groups[g].options().set_lr(marked.back());
+  }
+  const auto seen = SchedulerLearningRates::of(scheduler);
+  for (std::size_t g = 0; g < groups.size(); ++g) groups[g].options().set_lr(real[g]);
+  return seen == marked;
+}
+
 // A model built by device::build_on_meta: its parameters are meta tensors.
 inline bool built_on_meta(const torch::nn::Module& model) {
   for (const auto& p : model.parameters())
@@ -208,8 +234,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// TORCH_MODULE(Net)), a torch::nn::Module subclass object you own (kept
   /// by reference: it must outlive the Trainer) or a std::shared_ptr to one.
   /// Several models (a GAN's prepare(G, D, opt_G, opt_D)): each optimizer
-  /// goes with the model whose parameters it steps, and the k-th scheduler
-  /// prepared with the k-th optimizer (NOTE [Several models]).
+  /// goes with the model whose parameters it steps, and each scheduler with
+  /// the optimizer it was built on (NOTE [Several models]).
   template <class... Objects>
     requires(sizeof...(Objects) > 0)
   void prepare(Objects&... objects) {
@@ -917,7 +943,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   // engine of its own (its buckets, shards and hooks) on the Trainer's
   // communicator, and each optimizer goes with the engine of the model whose
   // parameters it steps (under a sharding strategy, exactly one model's: it
-  // is rewired to that model's shards). A backward synchronises the models
+  // is rewired to that model's shards), and each scheduler with the optimizer
+  // it was built on (prepare_scheduler_if). A backward synchronises the models
   // its loss reaches, found from the autograd graph before it runs, so the
   // discriminator's backward on a detached fake leaves the generator alone
   // and the generator's backward through the discriminator averages both. A
@@ -967,23 +994,40 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
       for (auto i : engines) engines_[i]->prepare_optimizer(object);
       optimizers_.push_back({&object, std::move(engines)});
       // A scheduler prepared before its optimizer (prepare(scheduler, optimizer)) joins it now.
-      if (!orphan_schedulers_.empty()) {
-        optimizers_.back().scheduler = orphan_schedulers_.front();
-        orphan_schedulers_.erase(orphan_schedulers_.begin());
-      }
+      for (auto it = orphan_schedulers_.begin(); it != orphan_schedulers_.end(); ++it)
+        if (detail::schedules(**it, object)) {
+          optimizers_.back().scheduler = *it;
+          orphan_schedulers_.erase(it);
+          break;
+        }
     }
   }
 
+  // Each scheduler joins the optimizer it was built on, found by what it
+  // reads (LibTorch keeps that optimizer private), whatever the order of the
+  // prepare calls; one prepared before its optimizer waits for it.
   template <class T>
   void prepare_scheduler_if(T& object) {
     if constexpr (detail::lr_scheduler<T>) {
+      for (const auto& o : optimizers_)
+        if (o.scheduler == &object) throw std::logic_error("accel: prepare(): this scheduler was already prepared");
       for (auto& o : optimizers_)
-        if (o.scheduler == nullptr) {
+        if (detail::schedules(object, *o.optimizer)) {
+          if (o.scheduler != nullptr)
+            throw std::logic_error("accel: prepare(): two LR schedulers set the same optimizer's learning rates; "
+                                   "prepare one (torch::optim::LRScheduler steps one schedule per optimizer)");
           o.scheduler = &object;
           return;
         }
       orphan_schedulers_.push_back(&object);
     }
+  }
+
+  // A scheduler whose optimizer was never prepared would never step.
+  void require_schedulers_paired() const {
+    if (!orphan_schedulers_.empty())
+      throw std::logic_error("accel: a prepared LR scheduler's optimizer was never prepared: prepare(optimizer) "
+                             "too, so that the scheduler steps with it");
   }
 
   // Which models' engines an optimizer steps: the one prepared model, or
@@ -1070,6 +1114,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
                              ": those gradients were never averaged over the ranks; end the step with a "
                              "synchronising backward (outside no_sync(), or after trigger_sync_in_backward())");
     auto& o = require_optimizer(k);
+    require_schedulers_paired();
     for (auto i : o.engines) ensure_synchronized(i);
     step_was_skipped_ = o.engines.size() == 1 ? scaling_.unscale(engines_[o.engines.front()]->optimizer_parameters(), comm_)
                                               : scaling_.unscale(stepped_parameters(k), comm_);

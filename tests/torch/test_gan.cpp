@@ -269,6 +269,62 @@ TEST_SUITE("porting") {
     each(accel::ZeRO<3>{});
   }
 
+  TEST_CASE("each scheduler steps the optimizer it was built on, whatever the order of the prepare calls") {
+    auto g = make_generator(), d = make_discriminator();
+    torch::optim::SGD opt_g(g->parameters(), 0.1), opt_d(d->parameters(), 0.2);
+    torch::optim::StepLR sched_g(opt_g, 1, 0.5), sched_d(opt_d, 1, 0.1);
+    auto lr = [](torch::optim::Optimizer& o) { return o.param_groups().front().options().get_lr(); };
+    // Two optimizer steps: LibTorch's StepLR changes the rate from its second step on.
+    auto step_twice = [](accel::Trainer<>& trainer, torch::nn::Sequential& gen, torch::nn::Sequential& dis,
+                         torch::optim::Optimizer& o) {
+      for (int i = 0; i < 2; ++i) {
+        trainer.backward(bce(dis->forward(gen->forward(at::randn({2, 4}))), 1.0));
+        trainer.optimizer_step(o);
+        trainer.zero_grad();
+      }
+    };
+    {
+      // Schedulers listed in the other order than their optimizers: prepare order would pair them wrongly.
+      accel::Trainer<> trainer;
+      trainer.prepare(g, d, opt_g, opt_d, sched_d, sched_g);
+      CHECK(lr(opt_g) == 0.1);  // the learning rates read to pair them are put back exactly
+      CHECK(lr(opt_d) == 0.2);
+      step_twice(trainer, g, d, opt_g);
+      CHECK(lr(opt_g) == doctest::Approx(0.05));
+      CHECK(lr(opt_d) == 0.2);
+      step_twice(trainer, g, d, opt_d);
+      CHECK(lr(opt_d) == doctest::Approx(0.02));
+    }
+    {
+      // A scheduler prepared before its optimizer waits for it, past another optimizer.
+      auto g2 = make_generator(), d2 = make_discriminator();
+      torch::optim::SGD o_g(g2->parameters(), 0.1), o_d(d2->parameters(), 0.2);
+      torch::optim::StepLR s_d(o_d, 1, 0.1);
+      accel::Trainer<> trainer;
+      trainer.prepare(g2, d2, s_d, o_g, o_d);
+      step_twice(trainer, g2, d2, o_g);
+      CHECK(lr(o_g) == 0.1);
+      step_twice(trainer, g2, d2, o_d);
+      CHECK(lr(o_d) == doctest::Approx(0.02));
+    }
+    {
+      torch::optim::StepLR second(opt_g, 1, 0.5);
+      accel::Trainer<> trainer;
+      trainer.prepare(g, opt_g, sched_g);
+      CHECK_THROWS_WITH_AS(trainer.prepare(second), doctest::Contains("two LR schedulers set the same optimizer"),
+                           std::logic_error);
+    }
+    {
+      torch::optim::SGD stray(make_generator()->parameters(), 0.1);
+      torch::optim::StepLR stray_schedule(stray, 1, 0.5);
+      accel::Trainer<> trainer;
+      trainer.prepare(g, opt_g, stray_schedule);
+      trainer.backward(bce(d->forward(g->forward(at::randn({2, 4}))), 1.0));
+      CHECK_THROWS_WITH_AS(trainer.optimizer_step(), doctest::Contains("optimizer was never prepared"),
+                           std::logic_error);
+    }
+  }
+
   TEST_CASE("several models: what is refused, naming the call to make instead") {
     auto g = make_generator(), d = make_discriminator();
     torch::optim::SGD opt_g(g->parameters(), 0.1), opt_d(d->parameters(), 0.1);
