@@ -17,7 +17,12 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <cmath>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
 
+#include <accel/checkpoint/safetensors.hpp>
 #include <accel/nn/tensor_parallel.hpp>
 
 namespace gpt {
@@ -96,6 +101,93 @@ inline torch::nn::Sequential make_gpt(const Config& c, accel::comm::Communicator
   for (int i = 0; i < c.layers; ++i) gpt->push_back(Block(c, tp));
   gpt->push_back(Head(c, tp));
   return gpt;
+}
+
+// ---- Hugging Face transformers' GPT2LMHeadModel, weight for weight
+//
+// This model is GPT-2's architecture: learned positions, pre-norm blocks
+// with a fused QKV projection (biases everywhere but the LM head), LayerNorm
+// eps 1e-5. So its weights map one to one onto transformers' names, for the
+// GPT2Config with vocab_size = vocab, n_positions = context, n_embd = width,
+// n_head = heads, n_layer = layers, activation_function = "gelu" (this
+// model's at::gelu; GPT-2's default "gelu_new" is the tanh approximation) and
+// tie_word_embeddings = False (a separate LM head):
+//   0.tokens.weight          transformer.wte.weight
+//   0.positions.weight       transformer.wpe.weight
+//   <l>.norm1.*              transformer.h.<l-1>.ln_1.*        (l = 1 .. layers)
+//   <l>.qkv.*                transformer.h.<l-1>.attn.c_attn.*  weight transposed
+//   <l>.out.*                transformer.h.<l-1>.attn.c_proj.*  weight transposed
+//   <l>.norm2.*              transformer.h.<l-1>.ln_2.*
+//   <l>.up.*                 transformer.h.<l-1>.mlp.c_fc.*     weight transposed
+//   <l>.down.*               transformer.h.<l-1>.mlp.c_proj.*   weight transposed
+//   <layers+1>.norm.*        transformer.ln_f.*
+//   <layers+1>.logits.weight lm_head.weight
+// transformers' Conv1D stores its weight [in, out], a Linear [out, in]: the
+// four projections are transposed on the way in and out. One rank of
+// tensor parallelism only (each rank's slice is not mapped).
+struct TransformersNames {
+  std::map<std::string, std::string> theirs, ours;  // ours -> theirs, theirs -> ours
+  std::set<std::string> transposed;                  // our names
+};
+
+inline std::shared_ptr<const TransformersNames> transformers_names(const Config& c) {
+  auto names = std::make_shared<TransformersNames>();
+  auto both = [&](const std::string& our, const std::string& their, bool transpose = false) {
+    names->theirs[our] = their;
+    names->ours[their] = our;
+    if (transpose) names->transposed.insert(our);
+  };
+  both("0.tokens.weight", "transformer.wte.weight");
+  both("0.positions.weight", "transformer.wpe.weight");
+  const std::map<std::string, std::pair<std::string, bool>> block{{"norm1", {"ln_1", false}},
+                                                                   {"qkv", {"attn.c_attn", true}},
+                                                                   {"out", {"attn.c_proj", true}},
+                                                                   {"norm2", {"ln_2", false}},
+                                                                   {"up", {"mlp.c_fc", true}},
+                                                                   {"down", {"mlp.c_proj", true}}};
+  for (int l = 1; l <= c.layers; ++l)
+    for (const auto& [our, their] : block) {
+      const std::string prefix = std::to_string(l) + "." + our, theirs = "transformer.h." + std::to_string(l - 1) + "." + their.first;
+      both(prefix + ".weight", theirs + ".weight", their.second);
+      both(prefix + ".bias", theirs + ".bias");
+    }
+  const std::string head = std::to_string(c.layers + 1);
+  both(head + ".norm.weight", "transformer.ln_f.weight");
+  both(head + ".norm.bias", "transformer.ln_f.bias");
+  both(head + ".logits.weight", "lm_head.weight");
+  return names;
+}
+
+// Loads a transformers GPT-2 checkpoint (save_pretrained's directory):
+//   accel::load_safetensors(*model, dir, gpt::from_transformers(config));   // or trainer.load_safetensors
+// A name it does not know is kept, so a strict load lists it as unexpected.
+inline accel::LoadOptions from_transformers(const Config& c) {
+  auto names = transformers_names(c);
+  return {.strict = true,
+          .name_map = [names](const std::string& theirs) {
+            const auto it = names->ours.find(theirs);
+            return it == names->ours.end() ? theirs : it->second;
+          },
+          .transform = [names](const std::string& ours, const at::Tensor& t) {
+            return names->transposed.count(ours) ? t.t() : t;
+          }};
+}
+
+// Saves for GPT2LMHeadModel.from_pretrained (with its config.json beside):
+//   trainer.save_model(model, dir, gpt::to_transformers(config));
+inline accel::SaveModelOptions to_transformers(const Config& c, std::uint64_t max_shard_size = 10'000'000'000) {
+  auto names = transformers_names(c);
+  return {.max_shard_size = max_shard_size,
+          .name_map =
+              [names](const std::string& ours) {
+                const auto it = names->theirs.find(ours);
+                if (it == names->theirs.end())
+                  throw std::invalid_argument("gpt::to_transformers: \"" + ours + "\" is not a GPT-2 weight");
+                return it->second;
+              },
+          .transform = [names](const std::string& ours, const at::Tensor& t) {
+            return names->transposed.count(ours) ? t.t() : t;
+          }};
 }
 
 }  // namespace gpt

@@ -35,8 +35,8 @@ const char* const main_usage =
     "  launch   run a program as this machine's processes of a distributed job\n"
     "  config   write a JSON config file for accel launch (accel config default: defaults only)\n"
     "  env      show accel's version, the machine, the default config and launcher variables\n"
-    "  export   copy a checkpoint's full model to one file: accel export <checkpoint dir> <model.pt>\n"
-    "  merge-weights  join a sharded checkpoint's model into one file, offline: accel merge-weights <dir> <model.pt>\n"
+    "  export   a checkpoint's full model as <out dir>/model.safetensors: accel export <checkpoint dir> <out dir>\n"
+    "  merge-weights  the same, a sharded model's shards joined offline: accel merge-weights <dir> <out dir>\n"
     "  test     launch the bundled self-test on this set-up (rendezvous, collectives, RNG, data sharding)\n"
     "  estimate-memory  per-rank memory of a model shape under each strategy: accel estimate-memory gpt|mlp\n"
     "\n"
@@ -228,23 +228,29 @@ int env_command(const std::vector<std::string>& args) {
 
 int export_command(const std::vector<std::string>& args) {
   if (!args.empty() && (args[0] == "-h" || args[0] == "--help")) {
-    std::fputs("usage: accel export <checkpoint dir> <model.pt> [--model N]\n\nChecks the checkpoint (complete, "
-               "sizes as its manifest says) and writes its full model (model N, default 0) to one LibTorch file,\n"
-               "loadable with torch::load into the unsharded model, whatever strategy saved it.\n",
+    std::fputs("usage: accel export <checkpoint dir> <out dir> [--model N] [--unsafe_serialization]\n\n"
+               "Checks the checkpoint (complete, sizes as its manifest says) and writes its full model (model N,\n"
+               "default 0) as <out dir>/model.safetensors, whatever strategy saved it (Accelerate's merge-weights\n"
+               "layout). --unsafe_serialization: one LibTorch file <out> instead, loadable with torch::load into\n"
+               "the unsharded model. A copy where the checkpoint holds the model so; else accel-merge-weights\n"
+               "(which links LibTorch) joins the shards or converts the file.\n",
                stdout);
     return 0;
   }
   int model = 0;
+  bool safe = true;
   std::vector<std::string> positional;
   for (std::size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--model" && i + 1 < args.size()) model = std::stoi(args[++i]);
+    else if (args[i] == "--unsafe_serialization") safe = false;
     else positional.push_back(args[i]);
   }
-  if (positional.size() != 2) throw UsageError("expected <checkpoint dir> <model.pt> (usage: accel export --help)");
-  // A sharded model is joined by the program that links LibTorch.
-  if (accel::checkpoint::holds_sharded_model(accel::checkpoint::read_manifest(positional[0]))) run_merge_weights(args);
-  accel::checkpoint::export_model(positional[0], positional[1], model);
-  std::printf("accel export: wrote %s\n", positional[1].c_str());
+  if (positional.size() != 2) throw UsageError("expected <checkpoint dir> <out dir> (usage: accel export --help)");
+  if (!accel::checkpoint::export_is_a_copy(positional[0], model, safe)) run_merge_weights(args);
+  accel::checkpoint::export_model(positional[0], positional[1], model, safe);
+  std::printf("accel export: wrote %s\n",
+              (safe ? std::filesystem::path(positional[1]) / "model.safetensors" : std::filesystem::path(positional[1]))
+                  .c_str());
   return 0;
 }
 

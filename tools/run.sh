@@ -17,6 +17,7 @@ build_dir="${ACCEL_BUILD_DIR:-build}"
 if [ "$what" = test ]; then torch="${ACCEL_TORCH:-both}"; else torch="${ACCEL_TORCH:-debian}"; fi
 pypi_torch="${ACCEL_PYPI_TORCH:-2.15.0}"
 pypi_accelerate="${ACCEL_PYPI_ACCELERATE:-1.15.0}"
+pypi_transformers="${ACCEL_PYPI_TRANSFORMERS:-5.25.0}"
 # Outside the source tree: meson refuses include paths inside it, and clones share it.
 venv="${ACCEL_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/accel/torch-$pypi_torch}"
 case "$torch" in debian|pypi|both) ;; *) echo "ACCEL_TORCH must be debian, pypi or both, not '$torch'" >&2; exit 2 ;; esac
@@ -44,12 +45,14 @@ fi
 # LibTorch 2.x: PyPI's torch wheel (its torch/ folder is a LibTorch: include/,
 # lib/, share/cmake/Torch) and accelerate, the reference of the parity checks.
 provision_pypi() {
-  # tensorboard: its own reader checks the event files accel's tracker writes.
-  if ! "$venv/bin/python" -c "import torch, accelerate, tensorboard, sys; sys.exit(torch.__version__.split('+')[0] != '$pypi_torch')" \
+  # tensorboard: its own reader checks the event files accel's tracker writes;
+  # transformers: its GPT2LMHeadModel loads what accel saves, and the reverse.
+  if ! "$venv/bin/python" -c "import torch, accelerate, tensorboard, transformers, sys; sys.exit(torch.__version__.split('+')[0] != '$pypi_torch')" \
        2>/dev/null; then
-    echo "accel: installing torch==$pypi_torch, accelerate==$pypi_accelerate and tensorboard from PyPI into $venv (about 5 GB)" >&2
+    echo "accel: installing torch==$pypi_torch, accelerate==$pypi_accelerate, transformers==$pypi_transformers and tensorboard from PyPI into $venv (about 5 GB)" >&2
     mkdir -p "$(dirname "$venv")" && /usr/bin/python3 -m venv "$venv" >&2
-    "$venv/bin/pip" install -q --disable-pip-version-check "torch==$pypi_torch" "accelerate==$pypi_accelerate" tensorboard >&2
+    "$venv/bin/pip" install -q --disable-pip-version-check "torch==$pypi_torch" "accelerate==$pypi_accelerate" \
+      "transformers==$pypi_transformers" tensorboard >&2
   fi
   "$venv/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))'
 }

@@ -14,6 +14,9 @@
 
 // Every header with a compiled-once section.
 #include "accel/checkpoint/files.hpp"
+#include "accel/checkpoint/safetensors.hpp"
+#include "accel/checkpoint/safetensors_format.hpp"
+#include "accel/checkpoint/save_model.hpp"
 #include "accel/checkpoint/state.hpp"
 #include "accel/comm/address.hpp"
 #include "accel/comm/communicator.hpp"

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "accel/checkpoint/files.hpp"
+#include "accel/checkpoint/save_model.hpp"
 #include "accel/checkpoint/state.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/environment.hpp"
@@ -789,6 +790,30 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     for (auto& engine : engines_) engine->unshard_permanently();
   }
 
+  /// Accelerate's save_model: `model`'s weights as safetensors in `dir`
+  /// (model.safetensors, or model-0000k-of-0000n.safetensors and their index
+  /// past options.max_shard_size), dtype kept. Every rank calls it and writes
+  /// what it holds (NOTE [Writing a model from its shards]): a sharded model
+  /// is never gathered whole.
+  template <detail::model Model>
+  void save_model(Model& model, const std::filesystem::path& dir, const SaveModelOptions& options = {}) {
+    const std::size_t i = engine_index_of(model);
+    CheckpointHooks hooks(engines_[i]);
+    checkpoint::save_model(comm_, hooks, *models_[i], dir, options);
+  }
+
+  /// Loads `model`'s weights from safetensors (a file, an index, or a
+  /// directory of either: Hugging Face's layouts), by name (LoadOptions), into
+  /// what each rank holds: under ZeRO<3> and HybridShard each rank reads only
+  /// its shard's bytes, also for a model built with build_on_meta. Every rank
+  /// calls it; all load or all throw, changing nothing.
+  template <detail::model Model>
+  LoadReport load_safetensors(Model& model, const std::filesystem::path& path, const LoadOptions& options = {}) {
+    const std::size_t i = engine_index_of(model);
+    CheckpointHooks hooks(engines_[i]);
+    return checkpoint::load_model(comm_, hooks, *models_[i], path, options);
+  }
+
   // ------------------------------------------------------------ checkpoints
   /// Saves everything needed to resume exactly (see NOTE [Checkpoint commit]):
   /// models, optimizer, scheduler, loss scaler, every rank's RNG state, the
@@ -1203,6 +1228,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     std::optional<strategy::ShardedParameters> sharded_parameters() const override {
       return engine_.sharded_parameters();
     }
+    std::optional<strategy::ShardedParameters> held_shards() const override { return engine_.held_shards(); }
 
    private:
     engine_type& engine_;

@@ -952,22 +952,28 @@ TEST_CASE("estimate-memory: per-rank bytes of a shape under each strategy, hand-
   }
 }
 
-TEST_CASE("export: copies a checkpoint's model file; refuses an incomplete one and a model cut into parts; a sharded "
-          "one needs accel-merge-weights") {
+TEST_CASE("export: copies a checkpoint's model file where it is in the format asked for (out/model.safetensors, or "
+          "with --unsafe_serialization one LibTorch file); refuses an incomplete one and a model cut into parts; a "
+          "sharded one, or a conversion, needs accel-merge-weights") {
   TempDir dir;
-  const std::string model_bytes = "not really a torch file, but 40 bytes..";
-  auto make_checkpoint = [&](const std::string& name, const nlohmann::json& extra) {
+  const std::string model_bytes = "not really a model file, but 40 bytes..";
+  auto make_checkpoint = [&](const std::string& name, const nlohmann::json& extra,
+                             const std::string& file = "model_0.safetensors") {
     fs::create_directories(dir.path / name);
-    write_file(dir.file(name + "/model_0.pt"), model_bytes);
+    write_file(dir.file(name + "/" + file), model_bytes);
     nlohmann::json manifest = {{"format_version", 1},
                                {"models", nlohmann::json::array({nlohmann::json::object()})},
-                               {"files", {{"model_0.pt", model_bytes.size()}}}};
+                               {"files", {{file, model_bytes.size()}}}};
     manifest.update(extra);
     write_file(dir.file(name + "/manifest.json"), manifest.dump());
   };
   make_checkpoint("whole", nlohmann::json::object());
-  auto ok = run_accel({"export", dir.file("whole"), dir.file("out.pt")}, dir);
+  auto ok = run_accel({"export", dir.file("whole"), dir.file("out")}, dir);
   CHECK_MESSAGE((ok.exited && ok.status == 0), ok);
+  CHECK(read_file(dir.file("out/model.safetensors")) == model_bytes);
+  make_checkpoint("archived", nlohmann::json::object(), "model_0.pt");  // an older accel's
+  auto unsafe = run_accel({"export", dir.file("archived"), dir.file("out.pt"), "--unsafe_serialization"}, dir);
+  CHECK_MESSAGE((unsafe.exited && unsafe.status == 0), unsafe);
   CHECK(read_file(dir.file("out.pt")) == model_bytes);
 
   make_checkpoint("cut", {{"model_parts", 2}, {"model_layout", "tensor 2 x pipeline 1"}});
@@ -989,9 +995,13 @@ TEST_CASE("export: copies a checkpoint's model file; refuses an incomplete one a
   make_checkpoint("sharded", {{"model_state_dict", "SHARDED_STATE_DICT"}});
   const std::map<std::string, std::string> no_merger{{"ACCEL_MERGE_WEIGHTS", dir.file("no-such-program")}};
   for (const std::string command : {"merge-weights", "export"}) {
-    auto missing = run_accel({command, dir.file("sharded"), dir.file("merged.pt")}, dir, no_merger);
+    auto missing = run_accel({command, dir.file("sharded"), dir.file("merged")}, dir, no_merger);
     CHECK_MESSAGE((missing.exited && missing.status == 2), missing);
     CHECK(missing.err.find("the merge program " + dir.file("no-such-program") + " is missing") != std::string::npos);
-    CHECK_FALSE(fs::exists(dir.file("merged.pt")));
+    CHECK_FALSE(fs::exists(dir.file("merged")));
   }
+  // An older accel's model_0.pt as safetensors is a conversion: the merge program's too.
+  auto convert = run_accel({"export", dir.file("archived"), dir.file("converted")}, dir, no_merger);
+  CHECK_MESSAGE((convert.exited && convert.status == 2), convert);
+  CHECK(convert.err.find("is missing") != std::string::npos);
 }

@@ -165,21 +165,20 @@ inline std::string test_python() {
   return python != nullptr && *python != 0 ? python : "/usr/bin/python3";
 }
 
-/// For the tests against the Python Accelerate: exits the test binary with
-/// meson's SKIP (77), saying why, where test_python() has no accelerate.
-inline void require_accelerate() {
-  const std::string probe = test_python() + " -c 'import accelerate' 2>/dev/null";
+/// For the tests against Python packages: exits the test binary with meson's
+/// SKIP (77), saying why, where test_python() cannot import `module`.
+inline void require_python_module(const std::string& module) {
+  const std::string probe = test_python() + " -c 'import " + module + "' 2>/dev/null";
   if (std::system(probe.c_str()) != 0) {
-    std::printf("SKIP: %s has no accelerate (bash tools/run.sh test with ACCEL_TORCH=pypi installs it)\n",
-                test_python().c_str());
+    std::printf("SKIP: %s has no %s (bash tools/run.sh test with ACCEL_TORCH=pypi installs it)\n",
+                test_python().c_str(), module.c_str());
     std::exit(77);
   }
 }
+inline void require_accelerate() { require_python_module("accelerate"); }
 
-#ifdef ACCEL_SOURCE_ROOT  // test_torch's; the CUDA test binary has no use for the parity script
-/// What `bench/accelerate_parity.py ARGS` prints (it must exit 0).
-inline std::string run_accelerate_parity(const std::string& args) {
-  const std::string command = test_python() + " " ACCEL_SOURCE_ROOT "/bench/accelerate_parity.py " + args + " 2>/dev/null";
+/// What `command` prints on its standard output; throws if it exits non-zero.
+inline std::string output_of(const std::string& command) {
   FILE* pipe = ::popen(command.c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
   std::string text;
@@ -187,6 +186,12 @@ inline std::string run_accelerate_parity(const std::string& args) {
   while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) text += buffer;
   if (::pclose(pipe) != 0) throw std::runtime_error(command + " failed");
   return text;
+}
+
+#ifdef ACCEL_SOURCE_ROOT  // test_torch's; the CUDA test binary has no use for the parity script
+/// What `bench/accelerate_parity.py ARGS` prints (it must exit 0).
+inline std::string run_accelerate_parity(const std::string& args) {
+  return output_of(test_python() + " " ACCEL_SOURCE_ROOT "/bench/accelerate_parity.py " + args + " 2>/dev/null");
 }
 #endif
 

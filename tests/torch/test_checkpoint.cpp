@@ -439,10 +439,12 @@ TEST_SUITE("checkpoint") {
         trainer.save_state(second);  // killed while writing this
         ::_exit(0);
       }
-      // Kill the child as soon as the second save has started writing.
+      // Kill the child as soon as the second save has started writing (the
+      // optimizer's 100 MB of state come first, written in place; the model
+      // file appears only whole, renamed from model_0.safetensors.partial).
       bool killed = false;
       for (int i = 0; i < 6000 && !killed; ++i) {
-        if (fs::exists(marker) && fs::exists(written / "model_0.pt")) {
+        if (fs::exists(marker) && fs::exists(written / "optimizer.pt")) {
           ::kill(child, SIGKILL);
           killed = true;
         } else {
@@ -471,10 +473,11 @@ TEST_SUITE("checkpoint") {
     }
   }
 
-  TEST_CASE("a ZeRO-3 checkpoint from 2 ranks consolidates into one model file that a plain model loads") {
-    const auto dir = fresh_dir("export"), out = fresh_dir("export.pt");
+  TEST_CASE("a ZeRO-3 checkpoint from 2 ranks exports as model.safetensors, or one LibTorch file, that a plain model "
+            "loads; a checkpoint an older accel wrote (model_0.pt) loads and exports too") {
+    const auto dir = fresh_dir("export"), out = fresh_dir("exported"), out_archive = fresh_dir("export.pt");
     const auto expected = fresh_dir("expected.pt");
-    RemoveOnExit cleanup{dir, out, expected};
+    RemoveOnExit cleanup{dir, out, out_archive, expected};
     accel::spawn(
         2,
         [&](int rank) {
@@ -492,11 +495,17 @@ TEST_SUITE("checkpoint") {
           if (rank == 0) torch::save(net, expected.string());
         },
         bounded(120s));
-    accel::checkpoint::export_model(dir, out);
-    auto plain = tiny_mlp(7), reference = tiny_mlp(8);
-    torch::load(plain, out.string());
+    CHECK(fs::exists(dir / "model_0.safetensors"));
+    accel::checkpoint::export_model(dir, out);  // a copy: the checkpoint holds safetensors
+    auto plain = tiny_mlp(7), reference = tiny_mlp(8), archived = tiny_mlp(6);
+    accel::load_safetensors(*plain, out / "model.safetensors");
     torch::load(reference, expected.string());
     CHECK(max_param_diff(*plain, *reference) == 0.0);
+    accel::checkpoint::consolidate_model(dir, out_archive, 0, /*safe_serialization=*/false);  // converted
+    torch::load(archived, out_archive.string());
+    CHECK(max_param_diff(*archived, *reference) == 0.0);
+    CHECK_THROWS_WITH(accel::checkpoint::export_model(dir, out_archive, 0, false),
+                      doctest::Contains("holds model_0.safetensors; writing it as a LibTorch archive converts it"));
     // Independent of the code under test: one process, a plain LibTorch loop
     // on the global batches. Measured 3e-8 apart (the ZeRO bound, 3e-7); the
     // model moved 1e-2 from where it started, so a stale export would fail.
@@ -511,6 +520,35 @@ TEST_SUITE("checkpoint") {
     CHECK(max_param_diff(*plain, *single) < 3e-7);
     CHECK(max_param_diff(*plain, *untrained) > 1e-3);
     CHECK_THROWS_WITH(accel::checkpoint::export_model(dir, out, 3), doctest::Contains("there is no model 3"));
+
+    // As an accel before safetensors wrote it: model_0.pt, the manifest without the model's structure.
+    fs::remove(dir / "model_0.safetensors");
+    torch::save(reference, (dir / "model_0.pt").string());
+    auto manifest = nlohmann::json::parse(read_file((dir / "manifest.json").string()));
+    manifest["files"].erase("model_0.safetensors");
+    manifest["files"]["model_0.pt"] = fs::file_size(dir / "model_0.pt");
+    manifest.erase("model_structure");
+    std::ofstream(dir / "manifest.json") << manifest.dump();
+    accel::spawn(
+        2,
+        [&](int) {
+          accel::Trainer<accel::ZeRO<3>> trainer(accel::ZeRO<3>{
+              .auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 50});
+          auto net = tiny_mlp(5);
+          torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+          trainer.prepare(net, opt);
+          trainer.load_state(dir);
+          trainer.unwrap_model();
+          require(max_param_diff(*net, *reference) == 0.0, "the older checkpoint's model loaded");
+        },
+        bounded(120s));
+    fs::remove_all(out);
+    accel::checkpoint::consolidate_model(dir, out);  // converted from the archive
+    auto converted = tiny_mlp(4);
+    accel::load_safetensors(*converted, out);
+    CHECK(max_param_diff(*converted, *reference) == 0.0);
+    CHECK_THROWS_WITH(accel::checkpoint::export_model(dir, out), doctest::Contains("holds model_0.pt; writing it as "
+                                                                                   "safetensors converts it"));
   }
 
   TEST_CASE("bad checkpoints are rejected with what is wrong") {
@@ -614,7 +652,7 @@ TEST_SUITE("checkpoint") {
     RemoveOnExit cleanup{dir};
     accel::spawn(2, [&](int) { parallel_interrupted_equals_uninterrupted<accel::DDP>(dir, {.tensor = 2}, 4, 9); },
                  bounded(120s));
-    CHECK(fs::exists(dir / "model_0_part_1.pt"));
+    CHECK(fs::exists(dir / "model_0_part_1.safetensors"));
     CHECK_THROWS_WITH(accel::checkpoint::export_model(dir, dir / "whole.pt"),
                       doctest::Contains("holds the model cut into 2 parts (tensor 2 x pipeline 1)"));
     fs::remove_all(dir);
@@ -660,7 +698,7 @@ TEST_SUITE("checkpoint") {
           require(resumed && *resumed == dir / "checkpoints" / "checkpoint_1", "resumed from checkpoint_1");
           require(trainer.completed_steps() == 2, "after 2 steps");
           auto saved = tiny_mlp(1);
-          torch::load(saved, (dir / "checkpoints" / "checkpoint_1" / "model_0.pt").string());
+          accel::load_safetensors(*saved, dir / "checkpoints" / "checkpoint_1" / "model_0.safetensors");
           require(max_param_diff(*net, *saved) == 0, "the checkpoint's weights");
         },
         bounded());
@@ -809,7 +847,7 @@ TEST_SUITE("checkpoint") {
       for (int s = 0; s < shards; ++s) CHECK(fs::exists(dir / (stem + "_shard_" + std::to_string(s) + ".pt")));
       CHECK_FALSE(fs::exists(dir / (stem + "_shard_" + std::to_string(shards) + ".pt")));
       CHECK(fs::exists(dir / (stem + "_index.json")));
-      CHECK_FALSE(fs::exists(dir / (stem + ".pt")));
+      CHECK_FALSE(fs::exists(dir / (stem + ".safetensors")));
     };
     accel::spawn(2, [&](int) { interrupted_equals_uninterrupted(dir, 5, 12, zero3_saving(sharded_state)); },
                  bounded(120s));
@@ -849,27 +887,34 @@ TEST_SUITE("checkpoint") {
         },
         bounded(120s));
     // Offline, in this process: bitwise the model the ranks held, loadable by a plain model.
-    accel::checkpoint::consolidate_model(dir, out);
-    auto merged = tiny_mlp(7), held = tiny_mlp(8), untrained = tiny_mlp(0);
+    accel::checkpoint::consolidate_model(dir, out, 0, /*safe_serialization=*/false);
+    auto merged = tiny_mlp(7), held = tiny_mlp(8), untrained = tiny_mlp(0), merged_safe = tiny_mlp(6);
     torch::load(merged, out.string());
     torch::load(held, expected.string());
     CHECK(max_param_diff(*merged, *held) == 0.0);
     CHECK(max_param_diff(*merged, *untrained) > 1e-3);  // trained: a merge of stale shards would fail
+    accel::checkpoint::consolidate_model(dir, out.string() + ".dir");  // safetensors, Accelerate's default
+    accel::load_safetensors(*merged_safe, out.string() + ".dir/model.safetensors");
+    CHECK(max_param_diff(*merged_safe, *held) == 0.0);
+    fs::remove_all(out.string() + ".dir");
     // The library's export copies a whole model's file; a sharded one is pointed to the merge.
     CHECK_THROWS_WITH(accel::checkpoint::export_model(dir, out.string() + ".copied"),
                       doctest::Contains("holds its model as shards (SHARDED_STATE_DICT): join them with "
                                         "accel::checkpoint::consolidate_model"));
     if (const char* cli = std::getenv("ACCEL_CLI")) {  // the command line, as a user runs it
-      for (const std::string command : {"merge-weights", "export"}) {
-        const std::string file = out.string() + "." + command;
-        const int status =
-            std::system((std::string(cli) + " " + command + " " + dir.string() + " " + file + " > /dev/null").c_str());
-        CHECK_MESSAGE(status == 0, "accel " << command << " exited with " << status);
-        auto again = tiny_mlp(9);
-        torch::load(again, file);
-        CHECK(max_param_diff(*again, *held) == 0.0);
-        fs::remove(file);
-      }
+      for (const std::string command : {"merge-weights", "export"})
+        for (const bool safe : {true, false}) {
+          const std::string file = out.string() + "." + command;
+          const int status = std::system((std::string(cli) + " " + command + " " + dir.string() + " " + file +
+                                          (safe ? "" : " --unsafe_serialization") + " > /dev/null")
+                                             .c_str());
+          CHECK_MESSAGE(status == 0, "accel " << command << " exited with " << status);
+          auto again = tiny_mlp(9);
+          if (safe) accel::load_safetensors(*again, file);
+          else torch::load(again, file);
+          CHECK(max_param_diff(*again, *held) == 0.0);
+          fs::remove_all(file);
+        }
     } else {
       MESSAGE("ACCEL_CLI is not set (meson test sets it): accel merge-weights itself not run");
     }

@@ -50,19 +50,28 @@ ACCEL_COMPILED_ONCE bool holds_sharded_model(const nlohmann::json& manifest);
 /// one file: not cut into parts by tensor or pipeline parallelism, and there.
 ACCEL_COMPILED_ONCE nlohmann::json manifest_of_whole_model(const fs::path& dir, int model_index);
 
-/// Model `model_index`'s file of a checked whole-model checkpoint, copied to `out` atomically.
-ACCEL_COMPILED_ONCE void copy_model_file(const fs::path& dir, const fs::path& out, int model_index);
+/// The name of model `model_index`'s whole file in a checkpoint:
+/// model_<i>.safetensors, or model_<i>.pt where an older accel wrote the
+/// model as a LibTorch archive.
+ACCEL_COMPILED_ONCE std::string model_file_name(const fs::path& dir, int model_index);
 
-/// Consolidation for export: the full model of a (possibly sharded)
-/// checkpoint as one LibTorch file, loadable with torch::load into the
-/// unsharded model. accel saves the model whole (ZeRO-3 gathers it unit by
-/// unit first) unless tensor or pipeline parallelism cut it into parts, so
-/// this checks the manifest and the file, then copies it atomically; the
-/// optimizer state stays sharded in the checkpoint.
-///   accel export checkpoints/checkpoint_7 model.pt
-/// A sharded checkpoint has no model file to copy: consolidate_model
-/// (<accel/checkpoint/sharded.hpp>) joins its shards.
-ACCEL_COMPILED_ONCE void export_model(const fs::path& dir, const fs::path& out, int model_index = 0);
+/// Whether exporting model `model_index` is a copy of its file: the model is
+/// whole (not sharded) and already in the format asked for (safetensors, or
+/// with `safe_serialization` false a LibTorch archive). Otherwise only a
+/// program linking LibTorch writes it (consolidate_model, accel merge-weights).
+ACCEL_COMPILED_ONCE bool export_is_a_copy(const fs::path& dir, int model_index, bool safe_serialization);
+
+/// Consolidation for export, where it is a copy (export_is_a_copy): the
+/// full model of a checkpoint, checked (complete, not cut into parts), as
+/// Accelerate's merge-weights writes it: `out`/model.safetensors, or with
+/// `safe_serialization` false one LibTorch file `out`, loadable with
+/// torch::load into the unsharded model. The optimizer state stays in the
+/// checkpoint.
+///   accel export checkpoints/checkpoint_7 exported/
+/// Else consolidate_model (<accel/checkpoint/sharded.hpp>) joins the shards
+/// or converts the file.
+ACCEL_COMPILED_ONCE void export_model(const fs::path& dir, const fs::path& out, int model_index = 0,
+                                      bool safe_serialization = true);
 
 /// `checkpoint_<n>` folders under `root`, oldest first.
 ACCEL_COMPILED_ONCE std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::path& root);
@@ -152,18 +161,38 @@ ACCEL_COMPILED_ONCE nlohmann::json manifest_of_whole_model(const fs::path& dir, 
   return manifest;
 }
 
-ACCEL_COMPILED_ONCE void copy_model_file(const fs::path& dir, const fs::path& out, int model_index) {
-  const fs::path temp = out.string() + ".tmp";
-  fs::copy_file(dir / ("model_" + std::to_string(model_index) + ".pt"), temp, fs::copy_options::overwrite_existing);
-  fs::rename(temp, out);
+ACCEL_COMPILED_ONCE std::string model_file_name(const fs::path& dir, int model_index) {
+  const std::string stem = "model_" + std::to_string(model_index);
+  return fs::exists(dir / (stem + ".pt")) && !fs::exists(dir / (stem + ".safetensors")) ? stem + ".pt"
+                                                                                          : stem + ".safetensors";
 }
 
-ACCEL_COMPILED_ONCE void export_model(const fs::path& dir, const fs::path& out, int model_index) {
-  if (holds_sharded_model(manifest_of_whole_model(dir, model_index)))
+ACCEL_COMPILED_ONCE bool export_is_a_copy(const fs::path& dir, int model_index, bool safe_serialization) {
+  if (holds_sharded_model(manifest_of_whole_model(dir, model_index))) return false;
+  return (model_file_name(dir, model_index).ends_with(".safetensors")) == safe_serialization;
+}
+
+ACCEL_COMPILED_ONCE void export_model(const fs::path& dir, const fs::path& out, int model_index,
+                                      bool safe_serialization) {
+  const auto manifest = manifest_of_whole_model(dir, model_index);
+  if (holds_sharded_model(manifest))
     throw CheckpointError("accel: checkpoint " + dir.string() +
                           " holds its model as shards (SHARDED_STATE_DICT): join them with "
                           "accel::checkpoint::consolidate_model (<accel/checkpoint/sharded.hpp>) or `accel merge-weights`");
-  copy_model_file(dir, out, model_index);
+  const std::string file = model_file_name(dir, model_index);
+  if (!export_is_a_copy(dir, model_index, safe_serialization))
+    throw CheckpointError("accel: checkpoint " + dir.string() + " holds " + file + "; writing it as " +
+                          (safe_serialization ? "safetensors" : "a LibTorch archive") +
+                          " converts it, which needs LibTorch: accel::checkpoint::consolidate_model "
+                          "(<accel/checkpoint/sharded.hpp>) or `accel merge-weights`");
+  fs::path target = out;
+  if (safe_serialization) {
+    fs::create_directories(out);
+    target = out / "model.safetensors";
+  }
+  const fs::path temp = target.string() + ".tmp";
+  fs::copy_file(dir / file, temp, fs::copy_options::overwrite_existing);
+  fs::rename(temp, target);
 }
 
 ACCEL_COMPILED_ONCE std::vector<std::pair<long, fs::path>> numbered_checkpoints(const fs::path& root) {

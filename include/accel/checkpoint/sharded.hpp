@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "accel/checkpoint/files.hpp"
+#include "accel/checkpoint/safetensors.hpp"
 #include "accel/strategy/engine.hpp"
 
 namespace accel::checkpoint {
@@ -389,30 +390,107 @@ class NestedArchive {
   Node root_;
 };
 
-/// Joins a sharded model's files into one LibTorch file (`accel merge-weights`),
-/// offline: this process holds the merged model, the saved dtypes kept.
-inline void merge_sharded_model(const fs::path& dir, const ShardedModelFiles& files, const fs::path& out) {
+/// A checkpoint's full model, in this process: its tensors by dotted name
+/// (whether each is a buffer), and every submodule (Module::load reads each).
+struct WholeModel {
+  std::vector<std::tuple<std::string, at::Tensor, bool>> tensors;
+  std::vector<std::string> modules;
+  bool knows_buffers = true;  ///< false: read from a LibTorch archive, which does not tell
+};
+
+namespace detail {
+
+// A LibTorch archive of Module::save: tensors, then each child's, by dotted name.
+inline void read_archive(torch::serialize::InputArchive& archive, const std::string& prefix, WholeModel& out) {
+  for (const auto& key : archive.keys()) {
+    at::Tensor tensor;
+    if (archive.try_read(key, tensor)) {
+      out.tensors.push_back({prefix + key, tensor, false});
+      continue;
+    }
+    torch::serialize::InputArchive child;
+    if (archive.try_read(key, child)) {
+      out.modules.push_back(prefix + key);
+      read_archive(child, prefix + key + ".", out);
+    }
+  }
+}
+
+}  // namespace detail
+
+/// The shards of a sharded model joined (NOTE [Sharded checkpoints]), the saved dtypes kept.
+inline WholeModel join_sharded_model(const fs::path& dir, const ShardedModelFiles& files) {
   ShardedModelReader reader(dir, files);
-  NestedArchive merged;
-  for (const auto& name : reader.module_names()) merged.module(name);
+  WholeModel out;
+  out.modules = reader.module_names();
   for (const auto& name : reader.parameter_names()) {
     const auto shape = reader.shape_of(name);
     auto full = at::empty({detail::numel_of(shape)}, at::TensorOptions().dtype(reader.dtype_of(name)));
     reader.request(name, 0, full.numel(), full);
-    merged.add(name, full.view(shape), false);
+    out.tensors.push_back({name, full.view(shape), false});
   }
   reader.read();
-  for (const auto& [name, saved] : reader.whole()) merged.add(name, saved.first, saved.second);
+  for (const auto& [name, saved] : reader.whole()) out.tensors.push_back({name, saved.first, saved.second});
+  return out;
+}
+
+/// Model `model_index` of a checkpoint, whole, in this process: its shards
+/// joined, or its file read (model_<i>.safetensors, whose modules and buffers
+/// the manifest lists; or an older accel's model_<i>.pt).
+inline WholeModel read_whole_model(const fs::path& dir, int model_index) {
+  const auto manifest = manifest_of_whole_model(dir, model_index);
+  if (holds_sharded_model(manifest)) return join_sharded_model(dir, {"model_" + std::to_string(model_index)});
+  const std::string file = model_file_name(dir, model_index);
+  WholeModel out;
+  if (file.ends_with(".pt")) {
+    torch::serialize::InputArchive archive;
+    archive.load_from((dir / file).string());
+    detail::read_archive(archive, "", out);
+    out.knows_buffers = false;
+    return out;
+  }
+  const auto structure = manifest.value("model_structure", nlohmann::json::array());
+  std::vector<std::string> buffers;
+  if (static_cast<std::size_t>(model_index) < structure.size()) {
+    out.modules = structure[model_index].at("modules").get<std::vector<std::string>>();
+    buffers = structure[model_index].at("buffers").get<std::vector<std::string>>();
+  } else {
+    out.knows_buffers = false;
+  }
+  for (auto& [name, tensor] : safetensors::load_file(dir / file)) {
+    const bool buffer = std::find(buffers.begin(), buffers.end(), name) != buffers.end();
+    out.tensors.push_back({name, tensor, buffer});
+  }
+  return out;
+}
+
+/// A checkpoint's full model written as `accel merge-weights` writes it, in
+/// this process (the whole model in memory, the saved dtypes kept): as
+/// `out`/model.safetensors (Accelerate's default), or with
+/// `safe_serialization` false as one LibTorch file `out`, nested as
+/// Module::save writes it, which torch::load reads into the unsharded model.
+/// A model already in that format is copied (export_model).
+inline void consolidate_model(const fs::path& dir, const fs::path& out, int model_index = 0,
+                              bool safe_serialization = true) {
+  if (export_is_a_copy(dir, model_index, safe_serialization))
+    return export_model(dir, out, model_index, safe_serialization);
+  const WholeModel whole = read_whole_model(dir, model_index);
+  if (safe_serialization) {
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& [name, tensor, buffer] : whole.tensors) tensors.push_back({name, tensor});
+    fs::create_directories(out);
+    safetensors::save_file(out / "model.safetensors", tensors, {{"format", "pt"}});
+    return;
+  }
+  if (!whole.knows_buffers)
+    throw CheckpointError("accel: checkpoint " + dir.string() + "'s manifest does not list the model's buffers, which "
+                          "a LibTorch archive needs: write safetensors instead (without --unsafe_serialization)");
+  NestedArchive merged;
+  for (const auto& name : whole.modules) merged.module(name);
+  for (const auto& [name, tensor, buffer] : whole.tensors) merged.add(name, tensor, buffer);
   const fs::path temp = out.string() + ".tmp";
   merged.save_to(temp);
   fs::rename(temp, out);
-}
-
-/// A checkpoint's full model as one LibTorch file: the shards joined, or
-/// the whole model's file copied (export_model).
-inline void consolidate_model(const fs::path& dir, const fs::path& out, int model_index = 0) {
-  if (!holds_sharded_model(manifest_of_whole_model(dir, model_index))) return copy_model_file(dir, out, model_index);
-  merge_sharded_model(dir, {"model_" + std::to_string(model_index)}, out);
 }
 
 }  // namespace accel::checkpoint

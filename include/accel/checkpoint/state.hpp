@@ -8,8 +8,10 @@
 // committed). A model cut into parts by tensor or pipeline parallelism is
 // written part by part, each by the part's first data replica; a sharded
 // optimizer state shard by shard, each by its shard's first replica:
-//   model_<i>.pt | model_<i>_part_<p>.pt       the prepared models (ZeRO-3: gathered whole), or under
-//                                              SHARDED_STATE_DICT each rank's shards (NOTE [Sharded checkpoints])
+//   model_<i>.safetensors | model_<i>_part_<p>.safetensors
+//                                              the prepared models (ZeRO-3: gathered whole), or under
+//                                              SHARDED_STATE_DICT each rank's shards (NOTE [Sharded checkpoints]);
+//                                              an older accel's model_<i>[_part_<p>].pt is still read
 //   optimizer.pt | optimizer_part_<p>.pt       replicated optimizer state
 //   optimizer_shard_<s>.pt | optimizer_part_<p>_shard_<s>.pt   sharded optimizer state
 //   optimizer_<k>...                           the k-th optimizer's (k > 0), as Accelerate names them
@@ -54,6 +56,8 @@ class EngineHooks {
   virtual void parameters_loaded() = 0;
   /// This rank's shards, when checkpoints hold the model sharded.
   virtual std::optional<strategy::ShardedParameters> sharded_parameters() const = 0;
+  /// This rank's shards whatever the checkpoint setting (save_model).
+  virtual std::optional<strategy::ShardedParameters> held_shards() const = 0;
 };
 
 /// An object registered with register_for_checkpointing.
@@ -113,6 +117,7 @@ ACCEL_COMPILED_ONCE void load_state(TrainerView& t, const std::filesystem::path&
 #include <string>
 
 #include "accel/checkpoint/files.hpp"
+#include "accel/checkpoint/safetensors.hpp"
 #include "accel/checkpoint/sharded.hpp"
 #include "accel/comm/collectives.hpp"
 #include "accel/compat/torch_compat.hpp"
@@ -127,7 +132,9 @@ namespace detail {
 struct FileNames {
   int parts = 1, part = 0;
   std::string qualifier() const { return parts == 1 ? "" : "_part_" + std::to_string(part); }
-  std::string model(std::size_t i) const { return "model_" + std::to_string(i) + qualifier() + ".pt"; }
+  std::string model(std::size_t i) const { return "model_" + std::to_string(i) + qualifier() + ".safetensors"; }
+  // What an accel before safetensors wrote: a LibTorch archive (still read).
+  std::string archived_model(std::size_t i) const { return "model_" + std::to_string(i) + qualifier() + ".pt"; }
   // The first optimizer's files keep the plain name (a checkpoint of one optimizer), the k-th's add _<k>.
   static std::string optimizer_stem(std::size_t k) { return k == 0 ? "optimizer" : "optimizer_" + std::to_string(k); }
   std::string optimizer(std::size_t k) const { return optimizer_stem(k) + qualifier() + ".pt"; }
@@ -186,6 +193,26 @@ inline void load_in_place(torch::nn::Module& module, torch::serialize::InputArch
     archive.read(child.key(), sub);
     load_in_place(*child.value(), sub, prefix + child.key() + ".");
   }
+}
+
+// The same from a safetensors file: every tensor of the module must be there.
+inline void load_file_in_place(torch::nn::Module& module, const std::filesystem::path& path) {
+  const safetensors::File file(path);
+  auto load = [&](const std::string& name, at::Tensor& into) {
+    const auto* entry = file.find(name);
+    if (entry == nullptr) throw CheckpointError("the checkpoint has no tensor '" + name + "'");
+    copy_saved_tensor(into, file.tensor(*entry), name);
+  };
+  for (auto& item : module.named_parameters()) load(item.key(), item.value());
+  for (auto& item : module.named_buffers()) load(item.key(), item.value());
+}
+
+// The module's parameters, then its buffers, by dotted name (a safetensors file's order).
+inline std::vector<std::pair<std::string, at::Tensor>> module_tensors(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : module.named_parameters()) out.push_back({item.key(), item.value()});
+  for (const auto& item : module.named_buffers()) out.push_back({item.key(), item.value()});
+  return out;
 }
 
 // NOTE [Resharding optimizer state]
@@ -319,10 +346,15 @@ inline nlohmann::json describe(TrainerView& t, const strategy::ModelPart& part,
   m["growth_tracker"] = t.scaler.growth_tracker;
   m["custom_objects"] = t.custom.size();
   m["models"] = nlohmann::json::array();
+  m["model_structure"] = nlohmann::json::array();  // what a LibTorch archive of the model needs besides its tensors
   for (const auto& model : t.models) {
     nlohmann::json shapes = nlohmann::json::object();
     for (const auto& item : model->named_parameters()) shapes[item.key()] = item.value().sizes().vec();
     m["models"].push_back(shapes);
+    nlohmann::json structure = {{"modules", nlohmann::json::array()}, {"buffers", nlohmann::json::array()}};
+    for (const auto& item : model->named_modules("", /*include_self=*/false)) structure["modules"].push_back(item.key());
+    for (const auto& item : model->named_buffers()) structure["buffers"].push_back(item.key());
+    m["model_structure"].push_back(structure);
   }
   m["loaders"] = nlohmann::json::array();
   for (const auto& weak : t.loaders) {
@@ -425,12 +457,19 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
       }
     } else {
       engine.gather_full_parameters();
-      torch::serialize::InputArchive archive;
-      archive.load_from((dir / names.model(i)).string());
+      const bool archived = !std::filesystem::exists(dir / names.model(i)) &&
+                            std::filesystem::exists(dir / names.archived_model(i));
+      const std::string file = archived ? names.archived_model(i) : names.model(i);
       try {
-        load_in_place(*t.models[i], archive, "");
-      } catch (const CheckpointError& e) {
-        throw CheckpointError(where + names.model(i) + ": " + e.what());
+        if (archived) {
+          torch::serialize::InputArchive archive;
+          archive.load_from((dir / file).string());
+          load_in_place(*t.models[i], archive, "");
+        } else {
+          load_file_in_place(*t.models[i], dir / file);
+        }
+      } catch (const std::exception& e) {
+        throw CheckpointError(where + file + ": " + e.what());
       }
       engine.release_full_parameters(strategy::FullParameters::loaded);
     }
@@ -540,7 +579,8 @@ ACCEL_COMPILED_ONCE void save_state(TrainerView& t, const std::filesystem::path&
     } else {
       // ZeRO-3 holds only shards: every rank helps gather the full model first.
       engine.gather_full_parameters();
-      if (part.writer) torch::save(t.models[i], (target / names.model(i)).string());
+      if (part.writer)
+        safetensors::save_file(target / names.model(i), detail::module_tensors(*t.models[i]), {{"format", "pt"}});
       engine.release_full_parameters(strategy::FullParameters::unchanged);
     }
   }

@@ -256,13 +256,18 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
   std::vector<at::Tensor> split_parameters() const override {
     return bias.defined() ? std::vector<at::Tensor>{weight, bias} : std::vector<at::Tensor>{weight};
   }
+  std::vector<ParameterCut> cuts() const override {
+    std::vector<ParameterCut> out{{"weight", 0, stride_, group_->size(), group_->rank()}};
+    if (bias.defined()) out.push_back({"bias", 0, stride_, group_->size(), group_->rank()});
+    return out;
+  }
   /// Rows [r*out/T, (r+1)*out/T) of `full`'s weight and bias. With `stride`
   /// k the outputs are k stacked blocks (e.g. a fused Q, K, V projection)
   /// and each block is split separately, so every rank gets its slice of
   /// each (Megatron's stride).
   ColumnParallelLinearImpl(const torch::nn::Linear& full, comm::Communicator& group, bool gather_output = false,
                            std::int64_t stride = 1)
-      : group_(&group), gather_output_(gather_output) {
+      : group_(&group), gather_output_(gather_output), stride_(stride) {
     if (stride < 1 || full->weight.size(0) % stride != 0)
       throw std::invalid_argument("accel tensor parallel: " + std::to_string(full->weight.size(0)) +
                                   " output features do not form " + std::to_string(stride) + " equal blocks");
@@ -301,6 +306,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
  private:
   comm::Communicator* group_;
   bool gather_output_;
+  std::int64_t stride_ = 1;
   bool sequence_parallel_ = false;
 };
 TORCH_MODULE(ColumnParallelLinear);
@@ -311,6 +317,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelLay
  public:
   /// The bias is whole: replicated.
   std::vector<at::Tensor> split_parameters() const override { return {weight}; }
+  std::vector<ParameterCut> cuts() const override { return {{"weight", 1, 1, group_->size(), group_->rank()}}; }
   RowParallelLinearImpl(const torch::nn::Linear& full, comm::Communicator& group) : group_(&group) {
     const auto cols = detail::slice_of(full->weight.size(1), group, "input features");
     weight = register_parameter("weight", full->weight.detach().narrow(1, group.rank() * cols, cols).clone());
@@ -349,6 +356,7 @@ TORCH_MODULE(RowParallelLinear);
 class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParallelLayer {
  public:
   std::vector<at::Tensor> split_parameters() const override { return {weight}; }
+  std::vector<ParameterCut> cuts() const override { return {{"weight", 0, 1, group_->size(), group_->rank()}}; }
   VocabParallelEmbeddingImpl(const torch::nn::Embedding& full, comm::Communicator& group) : group_(&group) {
     rows_ = detail::slice_of(full->weight.size(0), group, "vocabulary size");
     first_ = group.rank() * rows_;

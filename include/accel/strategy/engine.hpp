@@ -65,6 +65,9 @@ struct ModelPart {
   bool writer = true;
   /// How the model is cut, to name it when a checkpoint's cut differs.
   std::string layout = "whole";
+  /// The pipeline's stages: each holds other layers (tensor ranks hold
+  /// slices of the same layers).
+  int pipeline_stages = 1;
 };
 
 /// Which ranks' gradient-norm contributions make up the global norm.
@@ -132,6 +135,9 @@ class EngineDefaults {
   /// Checkpoints hold this rank's shards instead of the whole model
   /// (SHARDED_STATE_DICT). Default: none, the model is saved whole.
   std::optional<ShardedParameters> sharded_parameters() const { return std::nullopt; }
+  /// This rank's shards whatever the checkpoint setting (save_model writes
+  /// from them). Default: none, every rank holds the whole model.
+  std::optional<ShardedParameters> held_shards() const { return std::nullopt; }
   /// unwrap_model: the model whole on every rank, for good.
   void unshard_permanently() {}
   /// cpu_offload's host tensors the optimizer steps, and the device shards they mirror.
@@ -201,6 +207,7 @@ class ForwardingEngine : public EngineDefaults {
   void release_full_parameters(FullParameters what) { inner_.release_full_parameters(what); }
   void parameters_loaded() { inner_.parameters_loaded(); }
   std::optional<ShardedParameters> sharded_parameters() const { return inner_.sharded_parameters(); }
+  std::optional<ShardedParameters> held_shards() const { return inner_.held_shards(); }
   void unshard_permanently() { inner_.unshard_permanently(); }
   const std::vector<at::Tensor>& offloaded_parameters() const { return inner_.offloaded_parameters(); }
   const std::vector<at::Tensor>& device_shards() const { return inner_.device_shards(); }

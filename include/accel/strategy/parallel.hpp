@@ -105,7 +105,8 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
     return {m.coordinate(comm::MeshDim::tensor) + tensor * m.coordinate(comm::MeshDim::pipeline), tensor * pipeline,
             m.coordinate(comm::MeshDim::data) == 0,
             "tensor " + std::to_string(tensor) + " x pipeline " + std::to_string(pipeline) +
-                (settings_.virtual_stages > 1 ? " x virtual " + std::to_string(settings_.virtual_stages) : "")};
+                (settings_.virtual_stages > 1 ? " x virtual " + std::to_string(settings_.virtual_stages) : ""),
+            pipeline};
   }
 
   /// The global norm over the whole mesh: every pipeline stage's and every

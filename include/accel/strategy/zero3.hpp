@@ -434,8 +434,9 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   /// (NOTE [Sharded checkpoints]); a load writes into them.
   std::optional<ShardedParameters> sharded_parameters() const {
     if (settings_.state_dict_type != StateDictType::SHARDED_STATE_DICT) return std::nullopt;
-    return ShardedParameters{flat_buckets(), z3_->shards, model_};
+    return held_shards();
   }
+  std::optional<ShardedParameters> held_shards() const { return ShardedParameters{flat_buckets(), z3_->shards, model_}; }
 
   /// Rank r holds shard r of every bucket (NOTE [ZeRO shards]).
   ShardLayout shard_layout() const { return {state_->comm->size(), state_->comm->rank(), true, bucket_numels()}; }
