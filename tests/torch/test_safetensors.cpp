@@ -348,6 +348,7 @@ TEST_SUITE("safetensors") {
       using Settings = decltype(settings);
       CAPTURE(name);
       const auto out = dir / name;
+      const std::string measured = temp_path("tp_logits_" + name);
       accel::spawn(
           world,
           [&](int) {
@@ -365,10 +366,13 @@ TEST_SUITE("safetensors") {
             const std::int64_t slice = config.vocab / tp.size();
             const at::Tensor difference = (logits - reference_logits.narrow(-1, tp.rank() * slice, slice)).abs().max();
             const double error = difference.item<double>();
-            require(error < 1e-5, "the logits of one process (max |difference| " + sci(error) + ")");
+            if (trainer.process_index() == 0) std::ofstream(measured) << sci(error);
+            // Measured 6.0e-7 (the tensor ranks sum the row-parallel products in another order).
+            require(error < 5e-6, "the logits of one process (max |difference| " + sci(error) + ")");
             trainer.save_model(model, out, {.max_shard_size = 20'000});
           },
           bounded(120s));
+      MESSAGE(name << ": logits against one process's, max |difference| " << take_file(measured));
       const auto names = file_names(out);
       REQUIRE(names == file_names(dir / "reference"));
       for (const auto& file : names) {
@@ -450,7 +454,7 @@ TEST_SUITE("transformers") {
       c10::NoGradGuard no_grad;
       const double error = (model->forward(tokens) - hf_logits).abs().max().item<double>();
       MESSAGE("accel's logits from transformers' weights: max |difference| " << sci(error));
-      CHECK(error < 1e-5);
+      CHECK(error < 2e-6);  // measured 8.9e-8 (the issue asks 1e-5)
     }
     auto fine_tune = [&](auto settings, const fs::path& out, std::uint64_t max_shard_size) {
       using Settings = decltype(settings);
@@ -486,7 +490,7 @@ TEST_SUITE("transformers") {
       const double error = std::stod(output_of(script + " check " + out.string()));
       MESSAGE("GPT2LMHeadModel.from_pretrained(" << out.filename().string() << ") against accel: max |difference| "
                                                  << sci(error));
-      CHECK(error < 1e-5);
+      CHECK(error < 2e-6);  // measured 1.8e-7 under DDP and ZeRO-3 (the issue asks 1e-5)
     };
     fine_tune(accel::DDP{}, dir / "ddp", 10'000'000'000);
     CHECK(fs::exists(dir / "ddp" / "model.safetensors"));
