@@ -13,6 +13,7 @@
 #define ACCEL_BUILDING_COMPILED_ONCE 1
 
 // Every header with a compiled-once section.
+#include "accel/checkpoint/accelerate_state.hpp"
 #include "accel/checkpoint/files.hpp"
 #include "accel/checkpoint/safetensors.hpp"
 #include "accel/checkpoint/safetensors_format.hpp"

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "accel/checkpoint/files.hpp"
+#include "accel/checkpoint/accelerate_state.hpp"
 #include "accel/checkpoint/save_model.hpp"
 #include "accel/checkpoint/state.hpp"
 #include "accel/comm/communicator.hpp"
@@ -842,11 +843,15 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   }
 
   /// Restores a checkpoint written by save_state, on any number of ranks for
-  /// replicated strategies. Every rank checks it; if any rank cannot load it,
-  /// all of them throw, naming the problem.
+  /// replicated strategies, or a directory the Python Accelerate's save_state
+  /// wrote (NOTE [Resuming a Python Accelerate run]). Every rank checks it; if
+  /// any rank cannot load it, all of them throw, naming the problem.
   void load_state(const std::filesystem::path& dir) {
     auto view = checkpoint_view();
-    checkpoint::load_state(view.trainer, dir);
+    if (checkpoint::is_accelerate_state(dir))
+      checkpoint::load_accelerate_state(view.trainer, dir);
+    else
+      checkpoint::load_state(view.trainer, dir);
     view.commit();
   }
 

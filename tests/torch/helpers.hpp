@@ -199,6 +199,13 @@ inline std::string temp_path(const std::string& name) {
   return "/tmp/accel_test_" + std::to_string(::getpid()) + "_" + name;
 }
 
+/// temp_path(name) as a directory, emptied: nothing of an earlier run left.
+inline std::filesystem::path fresh_dir(const std::string& name) {
+  std::filesystem::path dir = temp_path(name);
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
 inline std::string read_file(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), {});

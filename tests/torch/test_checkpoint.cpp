@@ -27,12 +27,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path fresh_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("accel_ckpt_" + std::to_string(::getpid()) + "_" + name);
-  fs::remove_all(dir);
-  return dir;
-}
-
 accel::data::TensorDataset dataset(std::int64_t n) {
   auto batch = global_batch(12345, n);
   return {batch.x, batch.y};
@@ -772,7 +766,7 @@ TEST_SUITE("checkpoint") {
             dir, {.data = {.state_dict_type = type}, .pipeline = 2, .micro_batches = 2}, 3, 7);
       }, bounded(240s));
     }
-    CHECK(fs::exists(dir / "model_0_part_1_shard_1.pt"));
+    CHECK(fs::exists(dir / "model_0_part_1_shard_1.safetensors"));
     // A stage's shards are named within the stage: a trainer that would read
     // them into its whole model is refused rather than misplace them.
     load_refused(4, dir, accel::Parallel<accel::ZeRO<3>>{.pipeline = 2, .micro_batches = 2},
@@ -844,8 +838,8 @@ TEST_SUITE("checkpoint") {
     const auto dir = fresh_dir("sharded");
     RemoveOnExit cleanup{dir};
     auto files_are = [&](int shards, const std::string& stem) {
-      for (int s = 0; s < shards; ++s) CHECK(fs::exists(dir / (stem + "_shard_" + std::to_string(s) + ".pt")));
-      CHECK_FALSE(fs::exists(dir / (stem + "_shard_" + std::to_string(shards) + ".pt")));
+      for (int s = 0; s < shards; ++s) CHECK(fs::exists(dir / (stem + "_shard_" + std::to_string(s) + ".safetensors")));
+      CHECK_FALSE(fs::exists(dir / (stem + "_shard_" + std::to_string(shards) + ".safetensors")));
       CHECK(fs::exists(dir / (stem + "_index.json")));
       CHECK_FALSE(fs::exists(dir / (stem + ".safetensors")));
     };
@@ -918,6 +912,27 @@ TEST_SUITE("checkpoint") {
     } else {
       MESSAGE("ACCEL_CLI is not set (meson test sets it): accel merge-weights itself not run");
     }
+    // As an accel before safetensors wrote it: the shards and the tensors kept
+    // whole as LibTorch archives (.pt). They merge alike, and the resumes below read them.
+    auto manifest = nlohmann::json::parse(read_file((dir / "manifest.json").string()));
+    std::vector<fs::path> converted;
+    for (const auto& item : fs::directory_iterator(dir))
+      if (item.path().extension() == ".safetensors") converted.push_back(item.path());
+    REQUIRE(converted.size() == 3);  // two shards and the whole tensors
+    for (const auto& path : converted) {
+      torch::serialize::OutputArchive archive;
+      for (const auto& [key, tensor] : accel::safetensors::load_file(path)) archive.write(key, tensor.clone());
+      const auto old = fs::path(path).replace_extension(".pt");
+      archive.save_to(old.string());
+      fs::remove(path);
+      manifest["files"].erase(path.filename().string());
+      manifest["files"][old.filename().string()] = fs::file_size(old);
+    }
+    std::ofstream(dir / "manifest.json") << manifest.dump();
+    accel::checkpoint::consolidate_model(dir, out.string() + ".old");
+    accel::load_safetensors(*merged_safe, out.string() + ".old/model.safetensors");
+    CHECK(max_param_diff(*merged_safe, *held) == 0.0);
+    fs::remove_all(out.string() + ".old");
     for (const auto& resume : {std::pair{1, sharded_state}, std::pair{3, full_state}}) {
       const int world = resume.first;
       const auto type = resume.second;
@@ -925,7 +940,7 @@ TEST_SUITE("checkpoint") {
       accel::spawn(world, [&](int rank) { zero3_resume_matches_one_process(dir, zero3_saving(type), rank, world, 2, b, k, n); },
                    bounded(120s));
     }
-    fs::remove(dir / "model_0_shard_1.pt");
+    fs::remove(dir / "model_0_shard_1.pt");  // converted above
     CHECK_THROWS_WITH(accel::checkpoint::consolidate_model(dir, out), doctest::Contains("model_0_shard_1.pt is missing"));
   }
 

@@ -50,10 +50,11 @@ ACCEL_COMPILED_ONCE bool holds_sharded_model(const nlohmann::json& manifest);
 /// one file: not cut into parts by tensor or pipeline parallelism, and there.
 ACCEL_COMPILED_ONCE nlohmann::json manifest_of_whole_model(const fs::path& dir, int model_index);
 
-/// The name of model `model_index`'s whole file in a checkpoint:
-/// model_<i>.safetensors, or model_<i>.pt where an older accel wrote the
-/// model as a LibTorch archive.
-ACCEL_COMPILED_ONCE std::string model_file_name(const fs::path& dir, int model_index);
+/// The name of a model's file in a checkpoint, `stem` (model_<i>, or
+/// model_<i>_part_<p> for a part): <stem>.safetensors, or <stem>.pt where an
+/// older accel wrote it as a LibTorch archive.
+ACCEL_COMPILED_ONCE std::string model_file_name(const fs::path& dir, const std::string& stem);
+inline std::string model_stem(int model_index) { return "model_" + std::to_string(model_index); }
 
 /// Whether exporting model `model_index` is a copy of its file: the model is
 /// whole (not sharded) and already in the format asked for (safetensors, or
@@ -161,15 +162,14 @@ ACCEL_COMPILED_ONCE nlohmann::json manifest_of_whole_model(const fs::path& dir, 
   return manifest;
 }
 
-ACCEL_COMPILED_ONCE std::string model_file_name(const fs::path& dir, int model_index) {
-  const std::string stem = "model_" + std::to_string(model_index);
+ACCEL_COMPILED_ONCE std::string model_file_name(const fs::path& dir, const std::string& stem) {
   return fs::exists(dir / (stem + ".pt")) && !fs::exists(dir / (stem + ".safetensors")) ? stem + ".pt"
                                                                                           : stem + ".safetensors";
 }
 
 ACCEL_COMPILED_ONCE bool export_is_a_copy(const fs::path& dir, int model_index, bool safe_serialization) {
   if (holds_sharded_model(manifest_of_whole_model(dir, model_index))) return false;
-  return (model_file_name(dir, model_index).ends_with(".safetensors")) == safe_serialization;
+  return (model_file_name(dir, model_stem(model_index)).ends_with(".safetensors")) == safe_serialization;
 }
 
 ACCEL_COMPILED_ONCE void export_model(const fs::path& dir, const fs::path& out, int model_index,
@@ -179,8 +179,8 @@ ACCEL_COMPILED_ONCE void export_model(const fs::path& dir, const fs::path& out, 
     throw CheckpointError("accel: checkpoint " + dir.string() +
                           " holds its model as shards (SHARDED_STATE_DICT): join them with "
                           "accel::checkpoint::consolidate_model (<accel/checkpoint/sharded.hpp>) or `accel merge-weights`");
-  const std::string file = model_file_name(dir, model_index);
-  if (!export_is_a_copy(dir, model_index, safe_serialization))
+  const std::string file = model_file_name(dir, model_stem(model_index));
+  if (file.ends_with(".safetensors") != safe_serialization)
     throw CheckpointError("accel: checkpoint " + dir.string() + " holds " + file + "; writing it as " +
                           (safe_serialization ? "safetensors" : "a LibTorch archive") +
                           " converts it, which needs LibTorch: accel::checkpoint::consolidate_model "

@@ -99,6 +99,7 @@ class File {
   std::filesystem::path path_;
   std::shared_ptr<Mapping> mapping_;
   Header header_;
+  std::map<std::string, std::size_t> by_name_;  // header_.entries' positions
 };
 
 /// Writes the tensors, in order, to one file (atomically: a temporary file
@@ -120,8 +121,12 @@ struct FilePlan {
     std::string header;  ///< header_bytes(entries, metadata)
     std::uint64_t bytes() const { return header.size() + (entries.empty() ? 0 : entries.back().end); }
   };
+  /// A tensor's file and entry there, and its place in the order it was described in.
+  struct Place {
+    std::size_t file = 0, entry = 0, order = 0;
+  };
   std::vector<OneFile> files;
-  std::map<std::string, std::pair<std::size_t, std::size_t>> where;  ///< name -> (file, entry)
+  std::map<std::string, Place> where;  ///< by name
   std::uint64_t total_size = 0;  ///< the tensors' bytes, as the index's metadata counts them
 };
 ACCEL_COMPILED_ONCE FilePlan plan_files(const std::vector<Described>& tensors, std::uint64_t max_shard_size,
@@ -137,7 +142,7 @@ struct Piece {
 /// Makes each file, under a temporary name, with its header, at full size.
 ACCEL_COMPILED_ONCE void create_files(const std::filesystem::path& dir, const FilePlan& plan);
 /// Writes pieces into the files create_files made; returns the bytes written
-/// per tensor, in the plan's order of names (FilePlan::where's).
+/// per tensor, in the order plan_files was given them (Place::order).
 ACCEL_COMPILED_ONCE std::vector<std::int64_t> write_pieces(const std::filesystem::path& dir, const FilePlan& plan,
                                                            const std::vector<Piece>& pieces);
 /// Checks that `written` (summed over every writer) covers every tensor, then
@@ -164,6 +169,15 @@ struct Matched {
 ACCEL_COMPILED_ONCE Matched match(const std::filesystem::path& path,
                                   const std::map<std::string, std::vector<std::int64_t>>& targets,
                                   const LoadOptions& options);
+
+/// A module's parameters, then its buffers, by dotted name: the order of
+/// the tensors in the files save_model writes.
+inline std::vector<std::pair<std::string, at::Tensor>> module_tensors(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : module.named_parameters()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) out.emplace_back(item.key(), item.value());
+  return out;
+}
 
 }  // namespace safetensors
 
@@ -296,12 +310,12 @@ ACCEL_COMPILED_ONCE File::File(const std::filesystem::path& path) : path_(path),
   std::memcpy(prefix, begin, 8);
   const std::uint64_t length = header_length(prefix, bytes, path.string());
   header_ = parse_header(std::string_view(reinterpret_cast<const char*>(begin) + 8, length), bytes, path.string());
+  for (std::size_t i = 0; i < header_.entries.size(); ++i) by_name_[header_.entries[i].name] = i;
 }
 
 ACCEL_COMPILED_ONCE const Entry* File::find(const std::string& name) const {
-  for (const auto& e : header_.entries)
-    if (e.name == name) return &e;
-  return nullptr;
+  const auto found = by_name_.find(name);
+  return found == by_name_.end() ? nullptr : &header_.entries[found->second];
 }
 
 ACCEL_COMPILED_ONCE at::Tensor File::tensor(const Entry& entry) const {
@@ -325,7 +339,8 @@ ACCEL_COMPILED_ONCE FilePlan plan_files(const std::vector<Described>& tensors, s
   FilePlan plan;
   for (const auto& e : lay_out(tensors)) {
     if (plan.where.count(e.name)) throw std::invalid_argument("accel: save_model: two tensors named \"" + e.name + "\"");
-    plan.where[e.name] = {0, 0};
+    const std::size_t order = plan.where.size();
+    plan.where[e.name] = {0, 0, order};
     bytes.push_back(e.end - e.begin);
     plan.total_size += e.end - e.begin;
   }
@@ -338,7 +353,11 @@ ACCEL_COMPILED_ONCE FilePlan plan_files(const std::vector<Described>& tensors, s
     file.name = starts.size() == 1 ? single_file_name : sharded_file_name(f, starts.size());
     file.entries = lay_out(in_file);
     file.header = header_bytes(file.entries, metadata);
-    for (std::size_t k = 0; k < file.entries.size(); ++k) plan.where[file.entries[k].name] = {f, k};
+    for (std::size_t k = 0; k < file.entries.size(); ++k) {
+      auto& place = plan.where[file.entries[k].name];
+      place.file = f;
+      place.entry = k;
+    }
     plan.files.push_back(std::move(file));
   }
   return plan;
@@ -364,9 +383,9 @@ ACCEL_COMPILED_ONCE std::vector<std::int64_t> write_pieces(const std::filesystem
     const auto found = plan.where.find(piece.name);
     if (found == plan.where.end())
       throw std::logic_error("accel: save_model: a piece of \"" + piece.name + "\", which the plan lacks");
-    const auto [f, k] = found->second;
-    const auto& file = plan.files[f];
-    const auto& entry = file.entries[k];
+    const auto& place = found->second;
+    const auto& file = plan.files[place.file];
+    const auto& entry = file.entries[place.entry];
     const at::Tensor values = piece.values.detach().to(at::kCPU).contiguous();
     if (scalar_type(entry.dtype) != values.scalar_type())
       throw std::logic_error("accel: save_model: a piece of \"" + piece.name + "\" of another dtype");
@@ -375,26 +394,25 @@ ACCEL_COMPILED_ONCE std::vector<std::int64_t> write_pieces(const std::filesystem
     const std::uint64_t bytes = static_cast<std::uint64_t>(values.numel()) * element;
     if (piece.first_element < 0 || at + bytes > file.header.size() + entry.end)
       throw std::logic_error("accel: save_model: a piece of \"" + piece.name + "\" past its end");
-    auto& fd = open[f];
+    auto& fd = open[place.file];
     const auto path = detail::temporary(dir, file.name);
     if (!fd) {
       fd = std::make_unique<detail::Descriptor>(path, O_WRONLY);
       if (fd->fd < 0) throw std::runtime_error(detail::system_error("could not open", path));
     }
     detail::write_all(fd->fd, static_cast<const char*>(values.data_ptr()), bytes, at, path);
-    written[static_cast<std::size_t>(std::distance(plan.where.begin(), found))] += static_cast<std::int64_t>(bytes);
+    written[place.order] += static_cast<std::int64_t>(bytes);
   }
   return written;
 }
 
 ACCEL_COMPILED_ONCE void commit_files(const std::filesystem::path& dir, const FilePlan& plan,
                                       const std::vector<std::int64_t>& written) {
-  std::size_t i = 0;
   for (const auto& [name, at] : plan.where) {
-    const auto& e = plan.files[at.first].entries[at.second];
+    const auto& e = plan.files[at.file].entries[at.entry];
     const auto expected = static_cast<std::int64_t>(e.end - e.begin);
-    if (written.at(i++) != expected)
-      throw std::runtime_error("accel: save_model: the ranks wrote " + std::to_string(written[i - 1]) + " of the " +
+    if (written.at(at.order) != expected)
+      throw std::runtime_error("accel: save_model: the ranks wrote " + std::to_string(written[at.order]) + " of the " +
                                std::to_string(expected) + " bytes of \"" + name + "\" (the files are left as " +
                                "*.partial; the model's last complete save is untouched)");
   }
@@ -414,7 +432,7 @@ ACCEL_COMPILED_ONCE void commit_files(const std::filesystem::path& dir, const Fi
     nlohmann::json index;
     index["metadata"] = {{"total_size", plan.total_size}};
     index["weight_map"] = nlohmann::json::object();
-    for (const auto& [name, at] : plan.where) index["weight_map"][name] = plan.files[at.first].name;
+    for (const auto& [name, at] : plan.where) index["weight_map"][name] = plan.files[at.file].name;
     checkpoint::write_atomically(dir / index_file_name, index.dump(2));
   }
 }
@@ -543,15 +561,13 @@ ACCEL_COMPILED_ONCE void save_model(torch::nn::Module& module, const std::filesy
   }
   std::vector<safetensors::Described> described;
   std::vector<safetensors::Piece> pieces;
-  auto add = [&](const std::string& name, const at::Tensor& t) {
+  for (const auto& [name, t] : safetensors::module_tensors(module)) {
     const std::string file_name = options.name_map ? options.name_map(name) : name;
-    if (file_name.empty()) return;
+    if (file_name.empty()) continue;
     const at::Tensor saved = options.transform ? options.transform(name, t.detach()) : t;
     described.push_back({file_name, safetensors::dtype_of(saved.scalar_type(), file_name), saved.sizes().vec()});
     pieces.push_back({file_name, 0, saved});
-  };
-  for (const auto& item : module.named_parameters()) add(item.key(), item.value());
-  for (const auto& item : module.named_buffers()) add(item.key(), item.value());
+  }
   const auto plan = safetensors::plan_files(described, options.max_shard_size, options.metadata);
   safetensors::create_files(dir, plan);
   safetensors::commit_files(dir, plan, safetensors::write_pieces(dir, plan, pieces));
@@ -559,9 +575,8 @@ ACCEL_COMPILED_ONCE void save_model(torch::nn::Module& module, const std::filesy
 
 ACCEL_COMPILED_ONCE LoadReport load_safetensors(torch::nn::Module& module, const std::filesystem::path& path,
                                                 const LoadOptions& options) {
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& item : module.named_parameters()) tensors[item.key()] = item.value();
-  for (const auto& item : module.named_buffers()) tensors[item.key()] = item.value();
+  const auto listed = safetensors::module_tensors(module);
+  const std::map<std::string, at::Tensor> tensors(listed.begin(), listed.end());
   std::map<std::string, std::vector<std::int64_t>> targets;
   for (const auto& [name, t] : tensors) {
     if (t.is_meta())

@@ -53,6 +53,7 @@ ACCEL_COMPILED_ONCE LoadReport load_model(comm::Communicator& world, EngineHooks
 #include <functional>
 #include <map>
 #include <optional>
+#include <unordered_map>
 
 #include "accel/nn/tensor_parallel_layer.hpp"
 
@@ -112,15 +113,13 @@ struct HeldTensor {
   }
 };
 
-// Every tensor of the model as this rank holds it, in the module's order
-// (errors say what, agree() says who).
-inline std::vector<HeldTensor> held_tensors(comm::Communicator& world, EngineHooks& engine, torch::nn::Module& module,
-                                            const std::string& what) {
+// Every tensor of the model as this rank holds it, in the module's order.
+// Under a pipeline every rank describes every tensor (the files' layout is
+// the whole model's) but holds only its stage's: the stage's tensors are the
+// model's own (the same layer objects), found by identity, and the sharded
+// engine's plan names them as the stage does.
+inline std::vector<HeldTensor> held_tensors(comm::Communicator& world, EngineHooks& engine, torch::nn::Module& module) {
   const auto part = engine.model_part(world);
-  if (part.pipeline_stages > 1)
-    throw std::logic_error("the model is cut into pipeline stages (" + part.layout + "); " + what +
-                           " handles models whole, flat-sharded or cut by tensor parallelism. Save the stages with "
-                           "save_state");
   std::map<std::string, nn::ParameterCut> cuts;
   for (const auto& item : module.named_modules()) {
     const auto* layer = dynamic_cast<const nn::TensorParallelLayer*>(item.value().get());
@@ -132,6 +131,9 @@ inline std::vector<HeldTensor> held_tensors(comm::Communicator& world, EngineHoo
                              " does not say how its parameters are cut (nn::TensorParallelLayer::cuts)");
     for (const auto& cut : said) cuts[item.key().empty() ? cut.name : item.key() + "." + cut.name] = cut;
   }
+  std::unordered_map<const void*, std::string> in_stage;  // this rank's stage's tensors, by their stage names
+  if (part.stage != nullptr)
+    for (const auto& [name, tensor] : safetensors::module_tensors(*part.stage)) in_stage[tensor.unsafeGetTensorImpl()] = name;
   const auto sharded = engine.held_shards();
   const auto layout = engine.shard_layout();
   std::map<std::string, std::pair<std::size_t, const strategy::FlatParameter*>> flat;
@@ -139,10 +141,17 @@ inline std::vector<HeldTensor> held_tensors(comm::Communicator& world, EngineHoo
     for (std::size_t b = 0; b < sharded->buckets.size(); ++b)
       for (const auto& p : sharded->buckets[b].parameters) flat[p.name] = {b, &p};
   std::vector<HeldTensor> out;
-  auto add = [&](const std::string& name, const at::Tensor& tensor) {
+  for (const auto& [name, tensor] : safetensors::module_tensors(module)) {
     HeldTensor h;
     h.name = name;
-    const auto in_bucket = flat.find(name);
+    std::string engine_name = name;  // the name the engine's plan knows it by
+    bool held_here = true;
+    if (part.stage != nullptr) {
+      const auto found = in_stage.find(tensor.unsafeGetTensorImpl());
+      held_here = found != in_stage.end();
+      if (held_here) engine_name = found->second;
+    }
+    const auto in_bucket = held_here ? flat.find(engine_name) : flat.end();
     const std::vector<std::int64_t> local =
         in_bucket == flat.end() ? tensor.sizes().vec() : in_bucket->second.second->shape;
     const std::int64_t numel = product(local, 0, local.size());
@@ -154,12 +163,13 @@ inline std::vector<HeldTensor> held_tensors(comm::Communicator& world, EngineHoo
       h.runs = runs_of(cut->second, local);
     }
     // A tensor replicated over the tensor ranks is written from the first.
-    const bool among_writers = cut != cuts.end() || part.index == 0;
+    const bool among_writers = held_here && (cut != cuts.end() || part.tensor_index() == 0);
     if (in_bucket == flat.end()) {
       h.dtype = tensor.scalar_type();
-      if (!tensor.is_contiguous())
-        throw std::logic_error("\"" + name + "\" is not contiguous");
-      h.held = tensor.detach().view({-1});
+      if (held_here) {
+        if (!tensor.is_contiguous()) throw std::logic_error("\"" + name + "\" is not contiguous");
+        h.held = tensor.detach().view({-1});
+      }
       h.writer = among_writers && part.writer;  // the data replicas hold it alike: the first writes
     } else {
       // This rank holds the bucket's elements [first, first + shard size).
@@ -175,9 +185,7 @@ inline std::vector<HeldTensor> held_tensors(comm::Communicator& world, EngineHoo
       h.writer = among_writers && layout->writer;
     }
     out.push_back(std::move(h));
-  };
-  for (const auto& item : module.named_parameters()) add(item.key(), item.value());
-  for (const auto& item : module.named_buffers()) add(item.key(), item.value());
+  }
   return out;
 }
 
@@ -225,7 +233,7 @@ ACCEL_COMPILED_ONCE void save_model(comm::Communicator& world, EngineHooks& engi
   std::vector<safetensors::Described> described;
   std::vector<safetensors::Piece> pieces;
   try {
-    held = detail::held_tensors(world, engine, module, "save_model");
+    held = detail::held_tensors(world, engine, module);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -289,7 +297,7 @@ ACCEL_COMPILED_ONCE LoadReport load_model(comm::Communicator& world, EngineHooks
   std::vector<detail::HeldTensor> held;
   std::optional<safetensors::Matched> matched;
   try {
-    held = detail::held_tensors(world, engine, module, "load_safetensors");
+    held = detail::held_tensors(world, engine, module);
     std::map<std::string, std::vector<std::int64_t>> targets;
     for (const auto& h : held) targets[h.name] = h.whole_shape;
     matched.emplace(safetensors::match(path, targets, options));

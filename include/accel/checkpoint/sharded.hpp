@@ -6,20 +6,24 @@
 // A sharded engine (ZeRO-3, HybridShard) keeps rank r's elements [r*S, (r+1)*S)
 // of every flat bucket (NOTE [ZeRO shards]). With state_dict_type
 // SHARDED_STATE_DICT a checkpoint holds exactly that, per model part:
-//   model_<i>[_part_<p>]_shard_<s>.pt   shard s of every bucket ("bucket_<b>"),
-//                                        written by the first replica holding it
-//   model_<i>[_part_<p>]_index.json     per bucket: its size and padding, and
-//                                        where each parameter lies in it (name,
-//                                        shape, offset); the tensors kept whole
-//                                        (buffers, frozen parameters) and their key
-//   model_<i>[_part_<p>]_whole.pt       those tensors (keys "t<k>")
+//   model_<i>[_part_<p>]_shard_<s>.safetensors   shard s of every bucket
+//                                   ("bucket_<b>"), written by the first
+//                                   replica holding it
+//   model_<i>[_part_<p>]_index.json  per bucket: its size and padding, and
+//                                   where each parameter lies in it (name,
+//                                   shape, offset); the tensors kept whole
+//                                   (buffers, frozen parameters) and their key
+//   model_<i>[_part_<p>]_whole.safetensors   those tensors, by name
+// (An accel before safetensors wrote the two kinds of files as LibTorch
+// archives, _shard_<s>.pt and _whole.pt: still read.)
 // Reading goes by parameter name, not by file: a rank asks for the element
 // ranges its own buckets need, and every saved shard file that holds some of
 // them is read once, one at a time. So a checkpoint loads into another number
 // of ranks, another unit plan, or an unsharded strategy (which asks for every
 // parameter whole), and no rank ever holds more than its own shard plus one
-// saved file. `accel merge-weights` joins the shards offline into one
-// LibTorch file, nested as Module::save writes it.
+// saved file (of which, mapped, it reads only the pages it asks for).
+// `accel merge-weights` joins the shards offline into one model.safetensors
+// (or one LibTorch file, nested as Module::save writes it).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -37,6 +41,8 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -49,11 +55,13 @@
 namespace accel::checkpoint {
 
 /// The file names of one model (part) of a sharded checkpoint.
+/// The shard and whole files are named without their extension:
+/// model_file_name adds it (.safetensors, or an older checkpoint's .pt).
 struct ShardedModelFiles {
   std::string stem;  ///< model_<i>[_part_<p>]
-  std::string shard(int s) const { return stem + "_shard_" + std::to_string(s) + ".pt"; }
+  std::string shard(int s) const { return stem + "_shard_" + std::to_string(s); }
   std::string index() const { return stem + "_index.json"; }
-  std::string whole() const { return stem + "_whole.pt"; }
+  std::string whole() const { return stem + "_whole"; }
 };
 
 namespace detail {
@@ -82,12 +90,9 @@ inline std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> kept_who
 inline void save_sharded_model(const fs::path& dir, const ShardedModelFiles& files, torch::nn::Module& module,
                                const strategy::ShardedParameters& sharded, const strategy::ShardLayout& layout) {
   if (!layout.writer) return;
-  {
-    torch::serialize::OutputArchive archive;
-    for (std::size_t b = 0; b < sharded.shards.size(); ++b)
-      archive.write(detail::bucket_key(b), sharded.shards[b].detach().to(at::kCPU));
-    archive.save_to((dir / files.shard(layout.rank)).string());
-  }
+  std::vector<std::pair<std::string, at::Tensor>> buckets;
+  for (std::size_t b = 0; b < sharded.shards.size(); ++b) buckets.emplace_back(detail::bucket_key(b), sharded.shards[b].detach());
+  safetensors::save_file(dir / (files.shard(layout.rank) + ".safetensors"), buckets, {{"format", "accel-shard"}});
   if (layout.rank != 0) return;
   nlohmann::json index;
   index["shard_count"] = layout.count;
@@ -105,14 +110,12 @@ inline void save_sharded_model(const fs::path& dir, const ShardedModelFiles& fil
   index["modules"] = nlohmann::json::array();  // every submodule, for a merged file Module::load reads
   for (const auto& item : module.named_modules("", /*include_self=*/false)) index["modules"].push_back(item.key());
   index["whole"] = nlohmann::json::array();
-  torch::serialize::OutputArchive whole;
-  int k = 0;
+  std::vector<std::pair<std::string, at::Tensor>> whole;
   for (const auto& [name, tensor] : detail::kept_whole(module, sharded.buckets)) {
-    const std::string key = "t" + std::to_string(k++);
-    whole.write(key, tensor.first.detach().to(at::kCPU), tensor.second);
-    index["whole"].push_back({{"name", name}, {"key", key}, {"buffer", tensor.second}});
+    whole.emplace_back(name, tensor.first.detach());
+    index["whole"].push_back({{"name", name}, {"key", name}, {"buffer", tensor.second}});
   }
-  whole.save_to((dir / files.whole()).string());
+  safetensors::save_file(dir / (files.whole() + ".safetensors"), whole, {{"format", "pt"}});
   write_atomically(dir / files.index(), index.dump(1));
 }
 
@@ -170,15 +173,12 @@ class ShardedModelReader {
     c10::NoGradGuard no_grad;
     for (std::size_t i = 0; i < pieces_.size();) {
       const int s = pieces_[i].shard;
-      torch::serialize::InputArchive archive;
-      const auto file = dir_ / files_.shard(s);
-      if (!fs::exists(file)) throw CheckpointError("accel: checkpoint " + dir_.string() + " has no " + files_.shard(s));
-      archive.load_from(file.string());
+      const SavedTensors saved(dir_, files_.shard(s));
       std::map<std::size_t, at::Tensor> buckets;
       for (; i < pieces_.size() && pieces_[i].shard == s; ++i) {
         auto& piece = pieces_[i];
         auto& bucket = buckets[piece.bucket];
-        if (!bucket.defined()) archive.read(detail::bucket_key(piece.bucket), bucket);
+        if (!bucket.defined()) bucket = saved.read(detail::bucket_key(piece.bucket));
         piece.into.copy_(bucket.narrow(0, piece.begin, piece.into.numel()));
       }
     }
@@ -187,14 +187,11 @@ class ShardedModelReader {
 
   /// The tensors kept whole, by name, with whether each is a buffer.
   std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> whole() const {
-    torch::serialize::InputArchive archive;
-    archive.load_from((dir_ / files_.whole()).string());
+    const SavedTensors saved(dir_, files_.whole());
     std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> out;
     for (const auto& item : index_.at("whole")) {
-      at::Tensor t;
       const bool buffer = item.at("buffer").get<bool>();
-      archive.read(item.at("key").get<std::string>(), t, buffer);
-      out.push_back({item.at("name").get<std::string>(), {t, buffer}});
+      out.push_back({item.at("name").get<std::string>(), {saved.read(item.at("key").get<std::string>(), buffer), buffer}});
     }
     return out;
   }
@@ -216,6 +213,34 @@ class ShardedModelReader {
     std::int64_t offset = 0;
     std::vector<std::int64_t> shape;
     std::int64_t shard = 0;  // elements per shard of its bucket
+  };
+  // One saved file's tensors by key: <stem>.safetensors, mapped (only what
+  // is read is touched), or an older accel's <stem>.pt.
+  class SavedTensors {
+   public:
+    SavedTensors(const fs::path& dir, const std::string& stem) : name_(model_file_name(dir, stem)) {
+      const auto path = dir / name_;
+      if (!fs::exists(path)) throw CheckpointError("accel: checkpoint " + dir.string() + " has no " + name_);
+      if (name_.ends_with(".pt"))
+        archive_.load_from(path.string());
+      else
+        file_.emplace(path);
+    }
+    at::Tensor read(const std::string& key, bool buffer = false) const {
+      at::Tensor out;
+      if (!file_) {
+        archive_.read(key, out, buffer);
+        return out;
+      }
+      const auto* entry = file_->find(key);
+      if (entry == nullptr) throw CheckpointError("accel: checkpoint file " + name_ + " has no tensor \"" + key + "\"");
+      return file_->tensor(*entry);
+    }
+
+   private:
+    std::string name_;
+    std::optional<safetensors::File> file_;
+    mutable torch::serialize::InputArchive archive_;
   };
   struct Piece {
     int shard;
@@ -439,8 +464,8 @@ inline WholeModel join_sharded_model(const fs::path& dir, const ShardedModelFile
 /// the manifest lists; or an older accel's model_<i>.pt).
 inline WholeModel read_whole_model(const fs::path& dir, int model_index) {
   const auto manifest = manifest_of_whole_model(dir, model_index);
-  if (holds_sharded_model(manifest)) return join_sharded_model(dir, {"model_" + std::to_string(model_index)});
-  const std::string file = model_file_name(dir, model_index);
+  if (holds_sharded_model(manifest)) return join_sharded_model(dir, {model_stem(model_index)});
+  const std::string file = model_file_name(dir, model_stem(model_index));
   WholeModel out;
   if (file.ends_with(".pt")) {
     torch::serialize::InputArchive archive;
@@ -450,16 +475,15 @@ inline WholeModel read_whole_model(const fs::path& dir, int model_index) {
     return out;
   }
   const auto structure = manifest.value("model_structure", nlohmann::json::array());
-  std::vector<std::string> buffers;
+  std::set<std::string> buffers;
   if (static_cast<std::size_t>(model_index) < structure.size()) {
     out.modules = structure[model_index].at("modules").get<std::vector<std::string>>();
-    buffers = structure[model_index].at("buffers").get<std::vector<std::string>>();
+    buffers = structure[model_index].at("buffers").get<std::set<std::string>>();
   } else {
     out.knows_buffers = false;
   }
   for (auto& [name, tensor] : safetensors::load_file(dir / file)) {
-    const bool buffer = std::find(buffers.begin(), buffers.end(), name) != buffers.end();
-    out.tensors.push_back({name, tensor, buffer});
+    out.tensors.push_back({name, tensor, buffers.contains(name)});
   }
   return out;
 }

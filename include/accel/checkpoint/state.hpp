@@ -99,8 +99,9 @@ struct TrainerView {
 /// NOTE [Checkpoint commit]). Every rank calls it.
 ACCEL_COMPILED_ONCE void save_state(TrainerView& t, const std::filesystem::path& dir);
 
-/// Restores a checkpoint written by save_state. Every rank checks it; if any
-/// rank cannot load it, all of them throw, naming the problem.
+/// Restores a checkpoint written by save_state (trainer.load_state reads
+/// the Python Accelerate's too: accelerate_state.hpp). Every rank checks it;
+/// if any rank cannot load it, all of them throw, naming the problem.
 ACCEL_COMPILED_ONCE void load_state(TrainerView& t, const std::filesystem::path& dir);
 
 }  // namespace accel::checkpoint
@@ -132,13 +133,12 @@ namespace detail {
 struct FileNames {
   int parts = 1, part = 0;
   std::string qualifier() const { return parts == 1 ? "" : "_part_" + std::to_string(part); }
-  std::string model(std::size_t i) const { return "model_" + std::to_string(i) + qualifier() + ".safetensors"; }
-  // What an accel before safetensors wrote: a LibTorch archive (still read).
-  std::string archived_model(std::size_t i) const { return "model_" + std::to_string(i) + qualifier() + ".pt"; }
+  std::string model_stem(std::size_t i) const { return checkpoint::model_stem(static_cast<int>(i)) + qualifier(); }
+  std::string model(std::size_t i) const { return model_stem(i) + ".safetensors"; }
   // The first optimizer's files keep the plain name (a checkpoint of one optimizer), the k-th's add _<k>.
   static std::string optimizer_stem(std::size_t k) { return k == 0 ? "optimizer" : "optimizer_" + std::to_string(k); }
   std::string optimizer(std::size_t k) const { return optimizer_stem(k) + qualifier() + ".pt"; }
-  ShardedModelFiles sharded_model(std::size_t i) const { return {"model_" + std::to_string(i) + qualifier()}; }
+  ShardedModelFiles sharded_model(std::size_t i) const { return {model_stem(i)}; }
   std::string optimizer_shard(std::size_t k, int s) const {
     return optimizer_stem(k) + qualifier() + "_shard_" + std::to_string(s) + ".pt";
   }
@@ -205,14 +205,6 @@ inline void load_file_in_place(torch::nn::Module& module, const std::filesystem:
   };
   for (auto& item : module.named_parameters()) load(item.key(), item.value());
   for (auto& item : module.named_buffers()) load(item.key(), item.value());
-}
-
-// The module's parameters, then its buffers, by dotted name (a safetensors file's order).
-inline std::vector<std::pair<std::string, at::Tensor>> module_tensors(torch::nn::Module& module) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : module.named_parameters()) out.push_back({item.key(), item.value()});
-  for (const auto& item : module.named_buffers()) out.push_back({item.key(), item.value()});
-  return out;
 }
 
 // NOTE [Resharding optimizer state]
@@ -457,11 +449,10 @@ inline void load_here(TrainerView& t, const std::filesystem::path& dir) {
       }
     } else {
       engine.gather_full_parameters();
-      const bool archived = !std::filesystem::exists(dir / names.model(i)) &&
-                            std::filesystem::exists(dir / names.archived_model(i));
-      const std::string file = archived ? names.archived_model(i) : names.model(i);
+      // An accel before safetensors wrote a LibTorch archive: still read.
+      const std::string file = model_file_name(dir, names.model_stem(i));
       try {
-        if (archived) {
+        if (file.ends_with(".pt")) {
           torch::serialize::InputArchive archive;
           archive.load_from((dir / file).string());
           load_in_place(*t.models[i], archive, "");
@@ -580,7 +571,7 @@ ACCEL_COMPILED_ONCE void save_state(TrainerView& t, const std::filesystem::path&
       // ZeRO-3 holds only shards: every rank helps gather the full model first.
       engine.gather_full_parameters();
       if (part.writer)
-        safetensors::save_file(target / names.model(i), detail::module_tensors(*t.models[i]), {{"format", "pt"}});
+        safetensors::save_file(target / names.model(i), safetensors::module_tensors(*t.models[i]), {{"format", "pt"}});
       engine.release_full_parameters(strategy::FullParameters::unchanged);
     }
   }

@@ -68,6 +68,13 @@ struct ModelPart {
   /// The pipeline's stages: each holds other layers (tensor ranks hold
   /// slices of the same layers).
   int pipeline_stages = 1;
+  /// Under a pipeline, this rank's stage: the module its engine prepared,
+  /// the same layer objects as the model's, under the stage's own names.
+  /// nullptr where this rank holds every layer.
+  torch::nn::Module* stage = nullptr;
+
+  /// This rank's coordinate along the tensor-parallel cut.
+  int tensor_index() const { return index % (count / pipeline_stages); }
 };
 
 /// Which ranks' gradient-norm contributions make up the global norm.

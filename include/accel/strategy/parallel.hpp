@@ -106,7 +106,7 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
             m.coordinate(comm::MeshDim::data) == 0,
             "tensor " + std::to_string(tensor) + " x pipeline " + std::to_string(pipeline) +
                 (settings_.virtual_stages > 1 ? " x virtual " + std::to_string(settings_.virtual_stages) : ""),
-            pipeline};
+            pipeline, pipeline_ ? stage_.ptr().get() : nullptr};
   }
 
   /// The global norm over the whole mesh: every pipeline stage's and every
