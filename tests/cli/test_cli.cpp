@@ -570,6 +570,24 @@ TEST_CASE("launch: config file values, flag overrides, nested sections") {
     CHECK(bad.status == 2);
     CHECK(contains(bad.err, "--fsdp_auto_wrap_policy must be one of TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP"));
   }
+  SUBCASE("FSDP2: --fsdp_version 2 and --fsdp_reshard_after_forward, as flags and as config keys") {
+    auto r = launch_sh({"--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "false", "-q"},
+                       "echo \"$FSDP_VERSION $FSDP_RESHARD_AFTER_FORWARD\"", dir);
+    INFO(r);
+    CHECK(r.status == 0);
+    CHECK(r.out == "[rank 0] 2 false\n");
+    const std::string fsdp2 = dir.file("fsdp2.json");
+    write_file(fsdp2, R"({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2,
+                         "fsdp_reshard_after_forward": true}})");
+    auto from_file = launch_sh({"--config_file", fsdp2, "-q"}, "echo \"$FSDP_VERSION $FSDP_RESHARD_AFTER_FORWARD\"", dir);
+    INFO(from_file);
+    CHECK(from_file.status == 0);
+    CHECK(from_file.out == "[rank 0] 2 true\n");
+    auto bad = launch_sh({"--fsdp_version", "3"}, "echo SHOULD-NOT-RUN", dir);
+    INFO(bad);
+    CHECK(bad.status == 2);
+    CHECK(contains(bad.err, "--fsdp_version must be one of 1, 2"));
+  }
 }
 
 TEST_CASE("launch: bad config files are rejected, naming the key and the file") {

@@ -3,8 +3,7 @@
 // twin: user_policy_opted_in_twin.cpp
 #include <accel/trainer.hpp>
 struct MyStrategy {
-  template <class P, class D>
-  using engine = accel::strategy::SingleProcessEngine<P, D>;
+  using engine = accel::strategy::SingleProcessEngine;
   static constexpr bool distributed = false;
 };
 accel::Trainer<MyStrategy> trainer;

@@ -3,8 +3,7 @@
 #include <accel/accel.hpp>
 #include "exercise.hpp"
 struct MyStrategy {
-  template <class P, class D>
-  using engine = accel::strategy::SingleProcessEngine<P, D>;
+  using engine = accel::strategy::SingleProcessEngine;
   static constexpr bool distributed = false;
 };
 template <>

@@ -44,8 +44,7 @@ static_assert(accel::FP16{}.init_scale == 65536.0 && accel::FP16{}.growth_interv
 // A user-defined strategy opts in and is then accepted (mdspan's custom
 // layout test); the same shape without the opt-in is refused.
 struct UserStrategy {
-  template <class P, class D>
-  using engine = accel::strategy::SingleProcessEngine<P, D>;
+  using engine = accel::strategy::SingleProcessEngine;
   static constexpr bool distributed = false;
 };
 struct NotOptedIn : UserStrategy {};

@@ -107,6 +107,56 @@ TEST_SUITE("single_process") {
     CHECK_THROWS_WITH(accel::Trainer<>{}, doctest::Contains("fsdp_sharding_strategy=SHARD_GRAD_OP"));
   }
 
+  TEST_CASE("FSDP2 (FSDP_VERSION=2): fsdp_reshard_after_forward sets ZeRO<3>'s reshard_after_forward, "
+            "FSDP_SHARDING_STRATEGY is ignored, a strategy that cannot honour it is refused") {
+    ScopedEnv env;
+    env.set("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP");
+    env.set("FSDP_TRANSFORMER_CLS_TO_WRAP", "LinearImpl");
+    // How many units still hold their full parameters when the forward returns.
+    auto held_after_forward = [] {
+      accel::Trainer<accel::ZeRO<3>> trainer;
+      auto net = tiny_mlp(0);
+      torch::optim::SGD opt(net->parameters(), 0.1);
+      trainer.prepare(net, opt);
+      auto& engine = trainer.strategy_engine();
+      int held = 0;
+      auto batch = global_batch(0, 4);
+      trainer.step([&] {
+        auto loss = loss_of(net, batch.x, batch.y);
+        for (std::size_t u = 0; u < engine.unit_count(); ++u) held += engine.unit_gathered(u);
+        return loss;
+      });
+      CHECK(engine.gathered_bytes() == 0);
+      return held;
+    };
+    CHECK(held_after_forward() == 1);  // FSDP1 default: each unit freed when the next starts
+    env.set("FSDP_VERSION", "2");
+    env.set("FSDP_SHARDING_STRATEGY", "NO_SHARD");  // Accelerate's launcher exports one; FSDP2 ignores it
+    env.set("FSDP_RESHARD_AFTER_FORWARD", "false");
+    CHECK(held_after_forward() == 3);  // every Linear kept until its backward
+    CHECK_NOTHROW(accel::Trainer<accel::ZeRO<2>>{});  // keeps its parameters whole anyway
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::DDP>{}, doctest::Contains("FSDP2 with fsdp_reshard_after_forward=false"),
+                         accel::ConfigurationError);
+    env.set("FSDP_RESHARD_AFTER_FORWARD", "true");
+    CHECK(held_after_forward() == 1);
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::ZeRO<2>>{}, doctest::Contains("use accel::ZeRO<3> or accel::HybridShard"),
+                         accel::ConfigurationError);
+    CHECK_THROWS_WITH_AS(accel::Trainer<>{}, doctest::Contains("not an FSDP strategy"), accel::ConfigurationError);
+    env.set("FSDP_RESHARD_AFTER_FORWARD", "later");
+    CHECK_THROWS_WITH(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_RESHARD_AFTER_FORWARD='later'"));
+    env.set("FSDP_VERSION", "3");
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("FSDP_VERSION='3' is not 1 or 2"),
+                         accel::ConfigurationError);
+    // FSDP1 reads a name there; false is FSDP2's and says so.
+    env.set("FSDP_VERSION", "1");
+    env.unset("FSDP_SHARDING_STRATEGY");
+    env.set("FSDP_RESHARD_AFTER_FORWARD", "false");
+    CHECK_THROWS_WITH_AS(accel::Trainer<accel::ZeRO<3>>{}, doctest::Contains("launch with --fsdp_version 2"),
+                         accel::ConfigurationError);
+    env.set("FSDP_RESHARD_AFTER_FORWARD", "SHARD_GRAD_OP");
+    CHECK_NOTHROW(accel::Trainer<accel::ZeRO<2>>{});
+  }
+
   TEST_CASE("a launcher's fsdp_offload_params=true turns on cpu_offload; a strategy without sharded state refuses it") {
     ScopedEnv env;
     env.set("FSDP_OFFLOAD_PARAMS", "true");

@@ -292,6 +292,54 @@ TEST_SUITE("zero") {
         bounded(120s));
   }
 
+  TEST_CASE("ZeRO-3 reshard_after_forward = false (FSDP2): every unit stays gathered from its forward to its "
+            "backward, is freed when its gradients leave, and the result is bitwise that of true") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          // How many units hold their full parameters when the forward returns.
+          auto gathered_after_forward = [&](bool reshard) {
+            accel::Trainer<accel::ZeRO<3>> trainer(
+                accel::ZeRO<3>{.auto_wrap_policy = accel::AutoWrapPolicy::TRANSFORMER_BASED_WRAP,
+                               .transformer_layer_cls_to_wrap = {"torch::nn::LinearImpl"},
+                               .reshard_after_forward = reshard});
+            auto net = odd_mlp();
+            torch::optim::Adam opt(net->parameters());
+            trainer.prepare(net, opt);
+            auto& engine = trainer.strategy_engine();
+            int gathered = 0;
+            std::int64_t bytes_after_forward = 0;
+            auto batch = odd_batch(0, 4);
+            trainer.step([&] {
+              auto loss = loss_of(net, batch.x.narrow(0, rank * 2, 2), batch.y.narrow(0, rank * 2, 2));
+              for (std::size_t u = 0; u < engine.unit_count(); ++u) gathered += engine.unit_gathered(u);
+              bytes_after_forward = engine.gathered_bytes();
+              return loss;
+            });
+            require(engine.gathered_bytes() == 0, "after the step every unit is back to its shard");
+            if (!reshard) require(bytes_after_forward > engine.largest_unit_bytes(), "more than one unit held");
+            return gathered;
+          };
+          const int kept = gathered_after_forward(false);
+          const int freed = gathered_after_forward(true);
+          require(kept == 3, "reshard_after_forward=false: the three Linear units held, got " + std::to_string(kept));
+          require(freed == 1, "reshard_after_forward=true: only the last unit held, got " + std::to_string(freed));
+          // Same arithmetic, only the memory schedule differs.
+          const int steps = 3;
+          const std::int64_t b = 3;
+          auto wrap = [](bool reshard) {
+            return accel::ZeRO<3>{.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60,
+                                  .reshard_after_forward = reshard};
+          };
+          auto kept_net = train(wrap(false), rank, 2, steps, b);
+          auto freed_net = train(wrap(true), rank, 2, steps, b);
+          require(max_param_diff(*kept_net, *freed_net) == 0, "reshard_after_forward false == true, bitwise");
+          within(max_param_diff(*kept_net, *reference(steps, b * 2)), kFp32Bound, rank,
+                 "reshard_after_forward=false vs one process");
+        },
+        bounded(120s));
+  }
+
   TEST_CASE("cpu_offload: ZeRO-1, ZeRO-2 and ZeRO-3 stepping host twins equal the same strategy without offload "
             "(bitwise) and one process; the optimizer state is held only by the twins") {
     // NOTE [CPU offload]. On this CPU device the twins are separate host

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "accel/core/policies.hpp"
 #include "cli/settings.hpp"
 
 namespace accel::cli {
@@ -98,7 +99,7 @@ inline auto fsdp_setter(std::string key, std::vector<std::string> choices) {
       throw UsageError(flag + " must be one of " + allowed + ", got '" + value + "'");
     }
     if (value == "true" || value == "false") s.fsdp_config[key] = value == "true";
-    else if (key == "fsdp_min_num_params") s.fsdp_config[key] = parse_int_flag(flag, value);
+    else if (key == "fsdp_min_num_params" || key == "fsdp_version") s.fsdp_config[key] = parse_int_flag(flag, value);
     else s.fsdp_config[key] = value;
     s.origin["fsdp_config." + key] = flag;
   };
@@ -163,16 +164,24 @@ inline const std::vector<FlagSpec>& flag_table() {
          s.distributed_type = "FSDP";
          s.origin["distributed_type"] = flag;
        }},
+      {"--fsdp_version", "", "{1,2}", "FSDP", FlagScope::config_key,
+       "1 (default): the strategy is named by --fsdp_sharding_strategy; 2 (FSDP2): by "
+       "--fsdp_reshard_after_forward, and --fsdp_sharding_strategy is ignored, as Accelerate does",
+       fsdp_setter("fsdp_version", {"1", "2"})},
       {"--fsdp_sharding_strategy", "", "NAME", "FSDP", FlagScope::config_key,
-       "FULL_SHARD (ZeRO<3>), SHARD_GRAD_OP (ZeRO<2>), NO_SHARD (DDP) or HYBRID_SHARD; must match the program's "
-       "Trainer",
-       fsdp_setter("fsdp_sharding_strategy", {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})},
+       "FSDP1: FULL_SHARD (ZeRO<3>), SHARD_GRAD_OP (ZeRO<2>), NO_SHARD (DDP) or HYBRID_SHARD; must match the "
+       "program's Trainer",
+       fsdp_setter("fsdp_sharding_strategy", accel::names_in(accel::sharding_strategy_names))},
+      {"--fsdp_reshard_after_forward", "", "{true,false}", "FSDP", FlagScope::config_key,
+       "FSDP2: free each unit's parameters after its forward (true, ZeRO<3>/HybridShard's default) or keep them "
+       "until its backward (false; ZeRO<2> also accepts it)",
+       fsdp_setter("fsdp_reshard_after_forward", {"true", "false"})},
       {"--fsdp_offload_params", "", "{true,false}", "FSDP", FlagScope::config_key,
        "the optimizer steps host-memory copies of the shards (cpu_offload)",
        fsdp_setter("fsdp_offload_params", {"true", "false"})},
       {"--fsdp_auto_wrap_policy", "", "NAME", "FSDP", FlagScope::config_key,
        "ZeRO-3 units: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP",
-       fsdp_setter("fsdp_auto_wrap_policy", {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"})},
+       fsdp_setter("fsdp_auto_wrap_policy", accel::names_in(accel::auto_wrap_policy_names))},
       {"--fsdp_min_num_params", "", "N", "FSDP", FlagScope::config_key, "SIZE_BASED_WRAP's minimum unit size",
        fsdp_setter("fsdp_min_num_params", {})},
       {"--fsdp_transformer_layer_cls_to_wrap", "", "LIST", "FSDP", FlagScope::config_key,
@@ -181,7 +190,7 @@ inline const std::vector<FlagSpec>& flag_table() {
       {"--fsdp_state_dict_type", "", "NAME", "FSDP", FlagScope::config_key,
        "what save_state writes of a ZeRO<3>/HybridShard model: FULL_STATE_DICT (whole, one file) or "
        "SHARDED_STATE_DICT (each rank's shard; accel merge-weights joins them)",
-       fsdp_setter("fsdp_state_dict_type", {"FULL_STATE_DICT", "SHARDED_STATE_DICT"})},
+       fsdp_setter("fsdp_state_dict_type", accel::names_in(accel::state_dict_type_names))},
       {"--fsdp_activation_checkpointing", "", "{true,false}", "FSDP", FlagScope::config_key,
        "every unit of the auto-wrap policy recomputes its activations in backward (ZeRO<N>'s "
        "activation_checkpointing)",

@@ -92,7 +92,7 @@ inline const std::vector<EstimateFlag>& estimate_flags() {
       {"--fsdp_auto_wrap_policy", "NAME", "ZeRO-3 units: NO_WRAP (default), SIZE_BASED_WRAP or TRANSFORMER_BASED_WRAP",
        [](EstimateRequest& r, const std::string& f, const std::string& v) {
          const auto policy = auto_wrap_policy_named(v);
-         if (!policy) throw UsageError(f + " expects NO_WRAP, SIZE_BASED_WRAP or TRANSFORMER_BASED_WRAP, got '" + v + "'");
+         if (!policy) throw UsageError(f + " expects " + one_of(auto_wrap_policy_names) + ", got '" + v + "'");
          r.report.auto_wrap_policy = *policy;
        }},
       {"--fsdp_min_num_params", "N", "SIZE_BASED_WRAP: elements per unit at least",

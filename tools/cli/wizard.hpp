@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "accel/core/policies.hpp"
 #include "cli/settings.hpp"
 
 namespace accel::cli {
@@ -119,13 +120,13 @@ inline LaunchSettings ask_config(Questions& q, bool gpus) {
     if (q.yes_no("Do you want to use FullyShardedDataParallel (ZeRO)?", false)) {
       s.distributed_type = "FSDP";
       const std::string strategy = q.choice("What should be your sharding strategy?",
-                                            {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, 0);
+                                            accel::names_in(accel::sharding_strategy_names), 0);
       s.fsdp_config["fsdp_sharding_strategy"] = strategy;
       s.fsdp_config["fsdp_offload_params"] =
           q.yes_no("Do you want to offload parameters and gradients to CPU?", false);
       if (strategy == "FULL_SHARD" || strategy == "HYBRID_SHARD") {
         const std::string wrap = q.choice("What should be your auto wrap policy?",
-                                          {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"}, 0);
+                                          accel::names_in(accel::auto_wrap_policy_names), 0);
         s.fsdp_config["fsdp_auto_wrap_policy"] = wrap;
         if (wrap == "SIZE_BASED_WRAP")
           s.fsdp_config["fsdp_min_num_params"] =
@@ -138,7 +139,7 @@ inline LaunchSettings ask_config(Questions& q, bool gpus) {
           if (!classes.empty()) s.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] = classes;
         }
         s.fsdp_config["fsdp_state_dict_type"] = q.choice(
-            "What should be your FSDP's state dict type?", {"FULL_STATE_DICT", "SHARDED_STATE_DICT"}, 0);
+            "What should be your FSDP's state dict type?", accel::names_in(accel::state_dict_type_names), 0);
         if (wrap != "NO_WRAP")  // it checkpoints the units, which NO_WRAP has none of
           s.fsdp_config["fsdp_activation_checkpointing"] =
               q.yes_no("Do you want to enable FSDP activation checkpointing?", false);

@@ -45,13 +45,13 @@ template <>
 inline constexpr bool enable_device_policy<CUDA> = true;
 
 /// A strategy tag: opted in, default-constructible settings, says whether it
-/// communicates, and names its engine for a given precision and device.
+/// communicates, and names its engine (one class, whatever the precision and device).
 template <class S>
 concept strategy_policy =
     enable_strategy_policy<S> && std::is_aggregate_v<S> && std::default_initializable<S> &&
     requires {
       { S::distributed } -> std::convertible_to<bool>;
-      typename S::template engine<FP32, CPU>;
+      typename S::engine;
     };
 
 template <class P>

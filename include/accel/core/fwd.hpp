@@ -2,6 +2,10 @@
 // Forward declarations of accel's engines, so that policy tags can name the
 // engine that implements them without pulling in LibTorch (mdspan's
 // `layout_type::mapping<E>` idiom: the tag is cheap, the engine is heavy).
+// Engines are ordinary classes: none depends on the Trainer's precision or
+// device, so each is one type, whatever Trainer uses it. Each is defined by
+// exactly one header; the Trainer refuses, with the header's name, a
+// strategy whose engine it cannot see.
 
 namespace accel {
 
@@ -9,16 +13,14 @@ template <class Strategy, class Precision, class Device>
 class Trainer;
 
 namespace strategy {
-template <class Precision, class Device>
-class SingleProcessEngine;
-template <class Precision, class Device>
-class DDPEngine;
-template <int Stage, class Precision, class Device>
-class ZeROEngine;
-template <class Data, class Precision, class Device>
-class ParallelEngine;
-template <class Precision, class Device>
-class HybridShardEngine;
+class SingleProcessEngine;  // strategy/single_process.hpp
+class DDPEngine;            // strategy/ddp.hpp
+template <int Stage>
+class ZeROEngine;           // strategy/zero.hpp: stages 1 and 2
+class ZeRO3Engine;          // strategy/zero3.hpp
+class HybridShardEngine;    // strategy/hybrid_shard.hpp
+template <class Data>
+class ParallelEngine;       // strategy/parallel.hpp
 }  // namespace strategy
 
 }  // namespace accel

@@ -4,22 +4,75 @@
 // `Trainer<DDP> t{DDP{.bucket_cap_mb = 50}}`. No LibTorch here: this header
 // compiles in well under a second.
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "accel/core/fwd.hpp"
 
 namespace accel {
 
+// ---------------------------------------------------------------- Accelerate's names
+
+/// One of Accelerate's names for a setting's value. Each FSDP setting has
+/// one table of them, below its enum: the policies, the ranks' reading of
+/// the launcher's FSDP_* variables, and the command line (flags, the config
+/// wizard, the estimator) all read that table, so no name is spelled twice.
+template <class Enum>
+struct Named {
+  std::string_view name;
+  Enum value;
+};
+
+/// The value a table gives `name`; none if it has no such name.
+template <class Enum, std::size_t N>
+constexpr std::optional<Enum> value_named(const std::array<Named<Enum>, N>& table, std::string_view name) {
+  for (const auto& entry : table)
+    if (entry.name == name) return entry.value;
+  return std::nullopt;
+}
+/// The name a table gives `value`.
+template <class Enum, std::size_t N>
+constexpr std::string_view name_of(const std::array<Named<Enum>, N>& table, Enum value) {
+  for (const auto& entry : table)
+    if (entry.value == value) return entry.name;
+  return {};
+}
+/// The names of a table, in its order (the command line's choices).
+template <class Enum, std::size_t N>
+std::vector<std::string> names_in(const std::array<Named<Enum>, N>& table) {
+  std::vector<std::string> out;
+  for (const auto& entry : table) out.emplace_back(entry.name);
+  return out;
+}
+/// "A, B or C", for a sentence that says what is accepted.
+template <class Enum, std::size_t N>
+std::string one_of(const std::array<Named<Enum>, N>& table) {
+  std::string out;
+  for (std::size_t i = 0; i < N; ++i)
+    out += (i == 0 ? "" : i + 1 == N ? " or " : ", ") + std::string(table[i].name);
+  return out;
+}
+
+/// FSDP's names for accel's data-parallel strategies (Accelerate's
+/// fsdp_sharding_strategy; its 1-4 numbering is this order).
+enum class ShardingStrategy { FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD };
+inline constexpr std::array<Named<ShardingStrategy>, 4> sharding_strategy_names{{
+    {"FULL_SHARD", ShardingStrategy::FULL_SHARD},
+    {"SHARD_GRAD_OP", ShardingStrategy::SHARD_GRAD_OP},
+    {"NO_SHARD", ShardingStrategy::NO_SHARD},
+    {"HYBRID_SHARD", ShardingStrategy::HYBRID_SHARD},
+}};
+
 // ---------------------------------------------------------------- strategies
 
 /// One process, no communication: the hand-written LibTorch loop.
 struct SingleProcess {
-  template <class Precision, class Device>
-  using engine = strategy::SingleProcessEngine<Precision, Device>;
+  using engine = strategy::SingleProcessEngine;
   static constexpr bool distributed = false;
 };
 
@@ -44,10 +97,8 @@ struct DDP {
   /// that reduces bf16: NCCL, not the Gloo of LibTorch 1.13).
   CommHook comm_hook = CommHook::none;
 
-  template <class Precision, class Device>
-  using engine = strategy::DDPEngine<Precision, Device>;
+  using engine = strategy::DDPEngine;
   static constexpr bool distributed = true;
-  static constexpr const char* fsdp_sharding_strategy = "NO_SHARD";
 };
 
 /// How ZeRO<3> (FSDP FULL_SHARD) groups parameters into units, each gathered
@@ -58,12 +109,15 @@ enum class AutoWrapPolicy {
   TRANSFORMER_BASED_WRAP,  ///< every submodule whose class is in transformer_layer_cls_to_wrap
 };
 
+/// Accelerate's fsdp_auto_wrap_policy names, in the order its wizard offers them.
+inline constexpr std::array<Named<AutoWrapPolicy>, 3> auto_wrap_policy_names{{
+    {"TRANSFORMER_BASED_WRAP", AutoWrapPolicy::TRANSFORMER_BASED_WRAP},
+    {"SIZE_BASED_WRAP", AutoWrapPolicy::SIZE_BASED_WRAP},
+    {"NO_WRAP", AutoWrapPolicy::NO_WRAP},
+}};
 /// The policy of one of Accelerate's fsdp_auto_wrap_policy names; none for another.
-inline std::optional<AutoWrapPolicy> auto_wrap_policy_named(std::string_view name) {
-  if (name == "NO_WRAP") return AutoWrapPolicy::NO_WRAP;
-  if (name == "SIZE_BASED_WRAP") return AutoWrapPolicy::SIZE_BASED_WRAP;
-  if (name == "TRANSFORMER_BASED_WRAP") return AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
-  return std::nullopt;
+constexpr std::optional<AutoWrapPolicy> auto_wrap_policy_named(std::string_view name) {
+  return value_named(auto_wrap_policy_names, name);
 }
 
 /// What save_state writes of a ZeRO<3> / HybridShard model (Accelerate's
@@ -75,11 +129,14 @@ enum class StateDictType {
   SHARDED_STATE_DICT,
 };
 
+/// Accelerate's fsdp_state_dict_type names (LOCAL_STATE_DICT has no counterpart).
+inline constexpr std::array<Named<StateDictType>, 2> state_dict_type_names{{
+    {"FULL_STATE_DICT", StateDictType::FULL_STATE_DICT},
+    {"SHARDED_STATE_DICT", StateDictType::SHARDED_STATE_DICT},
+}};
 /// The type of one of Accelerate's fsdp_state_dict_type names; none for another.
-inline std::optional<StateDictType> state_dict_type_named(std::string_view name) {
-  if (name == "FULL_STATE_DICT") return StateDictType::FULL_STATE_DICT;
-  if (name == "SHARDED_STATE_DICT") return StateDictType::SHARDED_STATE_DICT;
-  return std::nullopt;
+constexpr std::optional<StateDictType> state_dict_type_named(std::string_view name) {
+  return value_named(state_dict_type_names, name);
 }
 
 /// ZeRO data parallelism (DeepSpeed's stages; FSDP's SHARD_GRAD_OP is stage 2
@@ -111,14 +168,19 @@ struct ZeRO {
   /// Stage 3: what a checkpoint holds of the model. Stages 1 and 2 keep the
   /// whole model on every rank and save it whole (SHARDED_STATE_DICT is refused).
   StateDictType state_dict_type = StateDictType::FULL_STATE_DICT;
+  /// Stage 3 (FSDP2's reshard_after_forward; Accelerate's
+  /// --fsdp_reshard_after_forward with --fsdp_version 2): free each unit's
+  /// full parameters as the forward leaves it and gather them again for its
+  /// backward (true), or keep them from the forward until the unit's backward
+  /// is done (false: one all-gather per unit and step instead of two, for
+  /// every unit's full parameters held from the forward into the backward).
+  bool reshard_after_forward = true;
 
   static constexpr int stage = Stage;
-  template <class Precision, class Device>
-  using engine = strategy::ZeROEngine<Stage, Precision, Device>;
+  /// Stages 1 and 2 keep the whole model (strategy/zero.hpp); stage 3 is
+  /// another engine (strategy/zero3.hpp), never the other's code.
+  using engine = std::conditional_t<Stage == 3, strategy::ZeRO3Engine, strategy::ZeROEngine<Stage>>;
   static constexpr bool distributed = true;
-  /// FSDP's name for this stage (ZeRO-1 has none).
-  static constexpr const char* fsdp_sharding_strategy =
-      Stage == 3 ? "FULL_SHARD" : Stage == 2 ? "SHARD_GRAD_OP" : nullptr;
 };
 
 /// FSDP's HYBRID_SHARD: ZeRO-3 within groups of `shard_group_size`
@@ -130,14 +192,9 @@ struct HybridShard {
   ZeRO<3> zero{};
   int shard_group_size = 0;
 
-  template <class Precision, class Device>
-  using engine = strategy::HybridShardEngine<Precision, Device>;
+  using engine = strategy::HybridShardEngine;
   static constexpr bool distributed = true;
-  static constexpr const char* fsdp_sharding_strategy = "HYBRID_SHARD";
 };
-
-/// FSDP's names for the same strategies (Accelerate's fsdp_sharding_strategy).
-enum class ShardingStrategy { FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD };
 
 namespace detail {
 template <ShardingStrategy S>
@@ -181,8 +238,7 @@ struct Parallel {
   /// (Megatron-LM's virtual pipeline stages): the bubble shrinks by this factor.
   int virtual_stages = 1;
 
-  template <class Precision, class Device>
-  using engine = strategy::ParallelEngine<Data, Precision, Device>;
+  using engine = strategy::ParallelEngine<Data>;
   static constexpr bool distributed = true;
 };
 

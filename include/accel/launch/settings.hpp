@@ -17,6 +17,7 @@
 #include "accel/core/compiled_once.hpp"
 #include "accel/core/errors.hpp"
 #include "accel/core/policies.hpp"
+#include "accel/core/strategy_traits.hpp"
 #include "accel/launch/variables.hpp"
 
 namespace accel::launch {
@@ -30,10 +31,20 @@ int accumulation_steps(const std::optional<int>& configured);
 // training in another precision, and say what to change.
 void check_launcher_precision(const char* compiled);
 
-// `accel launch` with an fsdp_config exports FSDP_SHARDING_STRATEGY (a name,
-// or Accelerate's older 1-4 numbering); it must name the compiled strategy.
-// `compiled`: the strategy's FSDP name, nullptr if it is not an FSDP strategy.
-void check_launcher_sharding(const char* compiled);
+// FSDP_VERSION (`--fsdp_version`): 1, Accelerate's default, or 2. As in
+// Accelerate, they spell the sharding choice differently:
+//   1: FSDP_SHARDING_STRATEGY, a name or Accelerate's 1-4 numbering, must
+//      name the compiled strategy (unset: FSDP_RESHARD_AFTER_FORWARD, if it
+//      holds a name, is read as one; false there is refused: it is FSDP2's);
+//   2: FSDP_RESHARD_AFTER_FORWARD, true or false, is ZeRO<3>'s and
+//      HybridShard's reshard_after_forward; false also accepts ZeRO<2>
+//      (SHARD_GRAD_OP, which keeps the parameters whole anyway).
+//      FSDP_SHARDING_STRATEGY is ignored, as Accelerate ignores it there
+//      (its launcher always exports one).
+// `compiled`: the strategy's FSDP name, none if it is not an FSDP strategy.
+void check_launcher_sharding(std::optional<ShardingStrategy> compiled);
+/// FSDP2's reshard_after_forward, if the launcher set it (FSDP_VERSION 2).
+std::optional<bool> launcher_reshard_after_forward();
 
 // `accel launch` with an fsdp_config exports Accelerate's FSDP_* variables;
 // as Accelerate's FSDP plugin does, they set the strategy's fields:
@@ -58,8 +69,8 @@ void apply_launcher_wrap_policy(ZeRO<Stage>& zero) {
   if (auto policy = comm::process_environment(variables::fsdp_auto_wrap_policy)) {
     const auto named = auto_wrap_policy_named(*policy);
     if (!named)
-      throw ConfigurationError("accel: FSDP_AUTO_WRAP_POLICY='" + *policy +
-                               "' is not NO_WRAP, SIZE_BASED_WRAP or TRANSFORMER_BASED_WRAP");
+      throw ConfigurationError("accel: FSDP_AUTO_WRAP_POLICY='" + *policy + "' is not " +
+                               one_of(auto_wrap_policy_names));
     zero.auto_wrap_policy = *named;
   }
   if (auto count = comm::process_environment(variables::fsdp_min_num_params)) {
@@ -91,32 +102,22 @@ void apply_launcher_state_dict_type(Strategy& strategy) {
   if (!requested) return;
   const auto type = state_dict_type_named(*requested);
   if (!type)
-    throw ConfigurationError("accel: FSDP_STATE_DICT_TYPE='" + *requested +
-                             "' is not FULL_STATE_DICT or SHARDED_STATE_DICT");
-  if constexpr (std::is_same_v<Strategy, ZeRO<3>>) strategy.state_dict_type = *type;
-  else if constexpr (requires { strategy.zero.state_dict_type; }) strategy.zero.state_dict_type = *type;
-  else if constexpr (requires { strategy.data.state_dict_type; }) strategy.data.state_dict_type = *type;
+    throw ConfigurationError("accel: FSDP_STATE_DICT_TYPE='" + *requested + "' is not " +
+                             one_of(state_dict_type_names));
+  if constexpr (strategy_traits<Strategy>::zero_stage == 3) strategy_traits<Strategy>::zero_settings(strategy)->state_dict_type = *type;
   else if (*type == StateDictType::SHARDED_STATE_DICT)
     throw ConfigurationError("accel: the launcher asked for fsdp_state_dict_type=SHARDED_STATE_DICT but this "
                              "program's Trainer strategy keeps the whole model on every rank: use accel::ZeRO<3> or "
                              "accel::HybridShard, or FULL_STATE_DICT");
 }
 
-// The ZeRO settings inside `strategy` (itself, HybridShard's .zero,
-// Parallel's .data); nullptr where there are none (DDP, SingleProcess).
-template <class Strategy>
-auto* zero_settings_of(Strategy& strategy) {
-  if constexpr (requires { strategy.auto_wrap_policy; }) return &strategy;
-  else if constexpr (requires { strategy.zero.auto_wrap_policy; }) return &strategy.zero;
-  else if constexpr (requires { strategy.data.auto_wrap_policy; }) return &strategy.data;
-  else return static_cast<ZeRO<3>*>(nullptr);
-}
-
 template <class Strategy>
 Strategy with_launcher_fsdp_settings(Strategy strategy) {
-  auto* zero = zero_settings_of(strategy);
+  auto* zero = strategy_traits<Strategy>::zero_settings(strategy);
   if (zero != nullptr) apply_launcher_wrap_policy(*zero);
   apply_launcher_state_dict_type(strategy);
+  // Checked against the strategy by check_launcher_sharding.
+  if (const auto reshard = launcher_reshard_after_forward(); reshard && zero != nullptr) zero->reshard_after_forward = *reshard;
   if (launcher_flag(variables::fsdp_activation_checkpointing)) {
     if (zero == nullptr)
       throw ConfigurationError("accel: the launcher asked for fsdp_activation_checkpointing=true but this program's "
@@ -125,8 +126,12 @@ Strategy with_launcher_fsdp_settings(Strategy strategy) {
     zero->activation_checkpointing = true;
   }
   if (!launcher_flag(variables::fsdp_offload_params)) return strategy;
-  if constexpr (requires { strategy.cpu_offload; }) strategy.cpu_offload = true;
-  else if constexpr (requires { strategy.zero.cpu_offload; }) strategy.zero.cpu_offload = true;
+  using traits = strategy_traits<Strategy>;
+  if (zero != nullptr && traits::zero_stage > 0 && !traits::mesh) zero->cpu_offload = true;
+  else if (traits::mesh)
+    throw ConfigurationError("accel: the launcher asked for fsdp_offload_params=true, which accel does not apply to a "
+                             "Parallel<> strategy: set the data strategy's cpu_offload in the program, or launch "
+                             "without it");
   else
     throw ConfigurationError("accel: the launcher asked for fsdp_offload_params=true but this program's Trainer "
                              "strategy shards no optimizer state: use accel::ZeRO<N> or an accel::FSDP strategy");
@@ -138,8 +143,7 @@ Strategy with_launcher_fsdp_settings(Strategy strategy) {
 template <class Strategy, class Precision>
 void check_launcher_settings() {
   check_launcher_precision(Precision::name);
-  if constexpr (requires { Strategy::fsdp_sharding_strategy; }) check_launcher_sharding(Strategy::fsdp_sharding_strategy);
-  else check_launcher_sharding(nullptr);
+  check_launcher_sharding(strategy_traits<Strategy>::sharding);
 }
 
 // The functions compiled once (NOTE [Compiled once]).
@@ -175,16 +179,60 @@ ACCEL_COMPILED_ONCE void check_launcher_precision(const char* compiled) {
                            "change the Trainer's Precision policy");
 }
 
-ACCEL_COMPILED_ONCE void check_launcher_sharding(const char* compiled) {
+namespace detail {
+inline int launcher_fsdp_version() {
+  const auto version = comm::process_environment(variables::fsdp_version);
+  if (!version || *version == "1") return 1;
+  if (*version == "2") return 2;
+  throw ConfigurationError("accel: FSDP_VERSION='" + *version + "' is not 1 or 2");
+}
+
+inline std::string compiled_name(std::optional<ShardingStrategy> compiled) {
+  return compiled ? "FSDP " + std::string(name_of(sharding_strategy_names, *compiled)) : "not an FSDP strategy";
+}
+}  // namespace detail
+
+ACCEL_COMPILED_ONCE std::optional<bool> launcher_reshard_after_forward() {
+  if (detail::launcher_fsdp_version() != 2 || !comm::process_environment(variables::fsdp_reshard_after_forward))
+    return std::nullopt;
+  return launcher_flag(variables::fsdp_reshard_after_forward);
+}
+
+ACCEL_COMPILED_ONCE void check_launcher_sharding(std::optional<ShardingStrategy> compiled) {
+  if (detail::launcher_fsdp_version() == 2) {
+    const auto reshard = launcher_reshard_after_forward();
+    if (!reshard) return;
+    using enum ShardingStrategy;
+    const bool fits = compiled == FULL_SHARD || compiled == HYBRID_SHARD || (!*reshard && compiled == SHARD_GRAD_OP);
+    if (!fits)
+      throw ConfigurationError(
+          std::string("accel: the launcher asked for FSDP2 with fsdp_reshard_after_forward=") +
+          (*reshard ? "true" : "false") + " but this program's Trainer strategy is " + detail::compiled_name(compiled) +
+          ": FSDP2 shards the parameters, use accel::ZeRO<3> or accel::HybridShard" +
+          (*reshard ? "" : " (or accel::ZeRO<2>, FSDP1's SHARD_GRAD_OP)") + ", or change the config");
+    return;
+  }
   auto requested = comm::process_environment(variables::fsdp_sharding_strategy);
-  if (!requested) return;
-  static const char* numbered[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"};
+  std::string variable = "fsdp_sharding_strategy";
+  if (!requested) {  // Accelerate's FSDP1 reads a strategy name there too
+    requested = comm::process_environment(variables::fsdp_reshard_after_forward);
+    if (!requested) return;
+    variable = "fsdp_reshard_after_forward";
+    if (*requested == "true") return;  // FSDP1's default, which Accelerate's launcher always exports
+    if (*requested == "false")
+      throw ConfigurationError("accel: the launcher asked for fsdp_reshard_after_forward=false, which is FSDP2's "
+                               "setting: launch with --fsdp_version 2 (or, with FSDP1, fsdp_sharding_strategy "
+                               "SHARD_GRAD_OP)");
+  }
   std::string name = *requested;
-  if (name.size() == 1 && name[0] >= '1' && name[0] <= '4') name = numbered[name[0] - '1'];
-  if (compiled == nullptr || name != compiled)
-    throw ConfigurationError("accel: the launcher asked for fsdp_sharding_strategy=" + name +
-                             " but this program's Trainer strategy is " +
-                             (compiled ? std::string("FSDP ") + compiled : std::string("not an FSDP strategy")) +
+  if (name.size() == 1 && name[0] >= '1' && name[0] <= '4') name = sharding_strategy_names[name[0] - '1'].name;
+  const auto asked = value_named(sharding_strategy_names, name);
+  if (!asked)
+    throw ConfigurationError("accel: " + variable + "='" + *requested + "' is not " + one_of(sharding_strategy_names) +
+                             " (or 1-4)");
+  if (asked != compiled)
+    throw ConfigurationError("accel: the launcher asked for " + variable + "=" + name +
+                             " but this program's Trainer strategy is " + detail::compiled_name(compiled) +
                              ": use accel::FSDP<accel::ShardingStrategy::" + name + "> or change the config");
 }
 

@@ -18,7 +18,6 @@
 
 namespace accel::strategy {
 
-template <class Precision, class Device>
 class DDPEngine : public BucketedEngineBase {
  public:
   using settings_type = DDP;

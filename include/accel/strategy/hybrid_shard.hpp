@@ -49,9 +49,8 @@ struct HybridGroups {
   std::pair<comm::Communicator, comm::Communicator> groups;  // (shard group, replicate group)
 };
 
-template <class Precision, class Device>
-class HybridShardEngine : private HybridGroups, public ForwardingEngine<ZeROEngine<3, Precision, Device>> {
-  using inner_type = ZeROEngine<3, Precision, Device>;
+class HybridShardEngine : private HybridGroups, public ForwardingEngine<ZeRO3Engine> {
+  using inner_type = ZeRO3Engine;
   using forwarding = ForwardingEngine<inner_type>;
 
  public:

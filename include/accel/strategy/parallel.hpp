@@ -27,6 +27,7 @@
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/mesh.hpp"
 #include "accel/core/policies.hpp"
+#include "accel/core/strategy_traits.hpp"
 #include "accel/nn/tensor_parallel_layer.hpp"
 #include "accel/pipeline/pipeline.hpp"
 #include "accel/strategy/unit_checkpointing.hpp"
@@ -53,11 +54,11 @@ struct ParallelMesh {
   comm::DeviceMesh mesh_;
 };
 
-template <class Data, class Precision, class Device>
-class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Data::template engine<Precision, Device>> {
+template <class Data>
+class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Data::engine> {
  public:
   using settings_type = Parallel<Data>;
-  using data_engine_type = typename Data::template engine<Precision, Device>;
+  using data_engine_type = typename Data::engine;
   static constexpr bool shards_optimizer_state = data_engine_type::shards_optimizer_state;
 
   static void check_world(const Parallel<Data>& settings, int world_size) {
@@ -84,7 +85,7 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
         throw std::invalid_argument("accel Parallel: pipeline parallelism splits a torch::nn::Sequential; this model is a " +
                                     model.name());
       // Before the split: the pipeline calls the layers it copies from the model.
-      if constexpr (requires { settings_.data.activation_checkpointing; })
+      if constexpr (strategy_traits<Data>::zero_stage > 0)
         checkpoint_wrapped_units(model, settings_.data, "Parallel");
       pipeline_.emplace(torch::nn::Sequential(sequential), mesh_.group(comm::MeshDim::pipeline),
                         pipeline::PipelineOptions{settings_.micro_batches, settings_.schedule, settings_.virtual_stages});

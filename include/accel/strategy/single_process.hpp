@@ -15,7 +15,6 @@
 
 namespace accel::strategy {
 
-template <class Precision, class Device>
 class SingleProcessEngine : public EngineDefaults {
  public:
   using settings_type = SingleProcess;

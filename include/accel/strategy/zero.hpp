@@ -38,25 +38,30 @@
 #include "accel/core/policies.hpp"
 #include "accel/strategy/buckets.hpp"
 #include "accel/strategy/offload.hpp"
+#include "accel/strategy/sharded_engine.hpp"
 #include "accel/strategy/unit_checkpointing.hpp"
 
 namespace accel::strategy {
 
-template <int Stage, class Precision, class Device>
-class ZeROEngine : public BucketedEngineBase {
+// Stages 1 and 2 only: ZeRO<3>'s engine is ZeRO3Engine (strategy/zero3.hpp),
+// a class of its own, so no program can run this code for stage 3.
+template <int Stage>
+class ZeROEngine : public ShardedEngineBase {
+  static_assert(Stage == 1 || Stage == 2,
+                "accel: ZeROEngine is the engine of ZeRO<1> and ZeRO<2>; ZeRO<3>'s is ZeRO3Engine, in "
+                "<accel/strategy/zero3.hpp>");
+
  public:
   using settings_type = ZeRO<Stage>;
-  static constexpr bool shards_optimizer_state = true;
 
   ZeROEngine(const ZeRO<Stage>& settings, comm::Communicator& comm)
-      : BucketedEngineBase(BucketSettings{.bucket_cap_mb = settings.bucket_cap_mb,
+      : ShardedEngineBase(BucketSettings{.bucket_cap_mb = settings.bucket_cap_mb,
                                           .first_bucket_cap_mb = settings.first_bucket_cap_mb,
                                           .find_unused_parameters = settings.find_unused_parameters,
                                           .pad_to_multiple = comm.size(),
                                           .strategy_name = Stage == 1 ? "ZeRO<1>" : "ZeRO<2>",
                                           .lazy_gradients = Stage == 2},
-                           comm),
-        offload_(settings.cpu_offload),
+                          comm, settings.cpu_offload),
         settings_(settings) {
     static_assert(complete_engine<ZeROEngine>);
     check_unit_checkpointing(settings, state_->settings.strategy_name);
@@ -94,14 +99,13 @@ class ZeROEngine : public BucketedEngineBase {
       at::Tensor mine = flat.narrow(0, rank * shard, shard).detach().requires_grad_(true);
       param_flat_.push_back(flat);
       shards_.push_back(mine);
-      if constexpr (Stage == 2) grad_shards_.push_back(at::zeros({shard}, flat.options()));
+      if constexpr (Stage == 2) allocate_gradient_shards(shard, flat.options());
     }
     if (offload_.enabled()) offload_.attach(shards_);
     point_optimizer_at(groups, optimizer_parameters());
     if constexpr (Stage == 1) allocate_gradients();  // stage 2's exist only within backward
     attach_shard_gradients();
-    work_.resize(s.buckets.size());
-    received_.resize(s.buckets.size());
+    size_collectives();
     register_hooks();
   }
 
@@ -152,29 +156,13 @@ class ZeROEngine : public BucketedEngineBase {
 
   /// The tensors the optimizer steps: this rank's shard of each bucket (or
   /// their host twins under cpu_offload).
-  const std::vector<at::Tensor>& optimizer_parameters() const {
-    return offload_.enabled() ? offload_.parameters() : shards_;
-  }
-  /// Host-memory tensors the optimizer steps instead of device shards (empty without cpu_offload).
-  const std::vector<at::Tensor>& offloaded_parameters() const { return offload_.parameters(); }
+  const std::vector<at::Tensor>& optimizer_parameters() const { return stepped(shards_); }
   /// This rank's parameter shards in device memory (the optimizer's own
   /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
   const std::vector<at::Tensor>& device_shards() const { return shards_; }
   /// A checkpoint was loaded into the model: the host twins take it over.
   void parameters_loaded() {
     if (offload_.enabled()) offload_.parameters_from_device(shards_);
-  }
-
-  /// Rank r holds shard r of every bucket (NOTE [ZeRO shards]).
-  ShardLayout shard_layout() const { return {state_->comm->size(), state_->comm->rank(), true, bucket_numels()}; }
-  /// Each rank holds a shard of the gradients the optimizer sees.
-  NormReduction norm_reduction() { return {state_->comm, {}}; }
-
-  /// Elements per bucket (without padding): the checkpoint's resharding map.
-  std::vector<std::int64_t> bucket_numels() const {
-    std::vector<std::int64_t> out;
-    for (const auto& bucket : state_->buckets) out.push_back(bucket.numel);
-    return out;
   }
 
  private:
@@ -201,11 +189,6 @@ class ZeROEngine : public BucketedEngineBase {
     }
   }
 
-  // Lazy buckets: the launched ones' reduce-scatters landed, summed, their full gradients dropped.
-  void retire_launched() {
-    retire_launched_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(b, grad_shards_[b], received_[b]); });
-  }
-
   void launch(std::size_t b) {
     auto& s = *state_;
     auto& grad = s.buckets[b].grad;
@@ -223,10 +206,6 @@ class ZeROEngine : public BucketedEngineBase {
 
   std::vector<at::Tensor> param_flat_;   // per bucket: (padded,) full parameters
   std::vector<at::Tensor> shards_;       // per bucket: (shard,) this rank's parameters, stepped by the optimizer
-  std::vector<at::Tensor> grad_shards_;  // stage 2, per bucket: (shard,) the reduced gradient shard
-  std::vector<at::Tensor> received_;     // stage 2 on Gloo: (padded,) chunks from every rank, until summed
-  std::vector<comm::Pending> work_;
-  HostOffload offload_;
   ZeRO<Stage> settings_;
 };
 

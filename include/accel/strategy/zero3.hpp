@@ -13,7 +13,8 @@
 // unit's shards into it first (writing through a separate tensor, so the
 // version counters autograd checks are untouched):
 //   forward:  gathered on first use; freed when the next unit starts, and all
-//             freed when the forward returns (reshard after forward);
+//             freed when the forward returns (reshard_after_forward, the
+//             default; with it off, kept until the unit's backward is done);
 //   backward: gathered again on first use, with the unit that ran before it
 //             in the forward prefetched asynchronously (backward prefetch);
 //             freed as soon as all its gradients are ready, when its
@@ -56,6 +57,7 @@
 #include "accel/strategy/buckets.hpp"
 #include "accel/strategy/deferred_init.hpp"
 #include "accel/strategy/offload.hpp"
+#include "accel/strategy/sharded_engine.hpp"
 #include "accel/strategy/module_tree.hpp"
 #include "accel/strategy/zero.hpp"
 
@@ -117,6 +119,7 @@ class ZeRO3State {
   std::size_t root = 0;            // the unit of parameters no wrapped submodule took
   bool backward = false;
   bool held = false;               // every unit gathered for a checkpoint: no freeing until released
+  bool reshard_after_forward = true;  // ZeRO<3>::reshard_after_forward
   std::size_t current = SIZE_MAX;  // the unit the forward is in
 
   std::size_t bytes(std::size_t b) const { return static_cast<std::size_t>(flat[b].numel() * flat[b].element_size()); }
@@ -174,7 +177,7 @@ class ZeRO3State {
   void on_use(std::size_t u) {
     if (held) return;
     if (!backward && u != current) {
-      if (current != SIZE_MAX && current != root) reshard(current);
+      if (current != SIZE_MAX && current != root && reshard_after_forward) reshard(current);
       current = u;
       if (std::find(forward_order.begin(), forward_order.end(), u) == forward_order.end()) forward_order.push_back(u);
     }
@@ -231,31 +234,29 @@ inline std::unique_ptr<at::ObserverContext> zero3_observe(const at::RecordFuncti
 
 }  // namespace detail
 
-template <class Precision, class Device>
-class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
+class ZeRO3Engine : public ShardedEngineBase {
  public:
   using settings_type = ZeRO<3>;
-  static constexpr bool shards_optimizer_state = true;
 
-  ZeROEngine(const ZeRO<3>& settings, comm::Communicator& comm)
-      : BucketedEngineBase(BucketSettings{.find_unused_parameters = settings.find_unused_parameters,
+  ZeRO3Engine(const ZeRO<3>& settings, comm::Communicator& comm)
+      : ShardedEngineBase(BucketSettings{.find_unused_parameters = settings.find_unused_parameters,
                                           .pad_to_multiple = comm.size(),
                                           .strategy_name = "ZeRO<3>",
                                           .size_capped = false,
                                           .lazy_gradients = true},
-                           comm),
+                          comm, settings.cpu_offload),
         settings_(settings),
-        z3_(std::make_shared<detail::ZeRO3State>()),
-        offload_(settings.cpu_offload) {
+        z3_(std::make_shared<detail::ZeRO3State>()) {
 #ifndef NDEBUG
     // LibTorch is built with NDEBUG; a debug build's RecordFunction::inputs()
     // asserts on a member that LibTorch never sets (a padding byte there).
     throw std::logic_error("accel ZeRO<3>: build with -DNDEBUG (meson's release/debugoptimized with b_ndebug), "
                            "as LibTorch itself is built");
 #endif
-    static_assert(complete_engine<ZeROEngine>);
+    static_assert(complete_engine<ZeRO3Engine>);
     check_unit_checkpointing(settings, state_->settings.strategy_name);
     z3_->comm = &comm;
+    z3_->reshard_after_forward = settings.reshard_after_forward;
     state_->launch = [this](std::size_t b) { launch(b); };
     state_->before_allocating = [this] { retire_launched(); };
   }
@@ -265,7 +266,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   // then stay sharded and must not be used. Not a model built on meta,
   // which may not fit whole: it goes back to the meta device (unwrap_model
   // before, to have it whole).
-  ~ZeROEngine() {
+  ~ZeRO3Engine() {
     if (!detached_ && std::uncaught_exceptions() == 0 && !z3_->shards.empty()) {
       if (materialize_on_) {
         back_to_meta();
@@ -338,7 +339,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
       z.shards.push_back(flat.narrow(0, rank * shard, shard).clone().requires_grad_(true));
       // Built on meta: the unit's full parameters go before the next is computed.
       if (materialize_on_) detail::set_storage_bytes(flat.storage().unsafeGetStorageImpl(), 0);
-      grad_shards_.push_back(at::zeros({shard}, flat.options()));
+      allocate_gradient_shards(shard, flat.options());
       z.unit_of_bucket.push_back(u);
       z.units[u].buckets.push_back(b);
       z.unit_of_storage[flat.storage().unsafeGetStorageImpl()] = u;
@@ -352,8 +353,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     if (offload_.enabled()) offload_.attach(z.shards);
     point_optimizer_at(groups, optimizer_parameters());
     z.reshard_all();
-    work_.resize(s.buckets.size());
-    received_.resize(s.buckets.size());
+    size_collectives();
     register_hooks();
     z.owner = std::this_thread::get_id();
     {
@@ -374,7 +374,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   void after_forward() {
     if (detached_) return;  // unwrapped: the model stays whole
     z3_->last_forward_order = z3_->forward_order;
-    z3_->reshard_all();  // reshard after forward
+    if (settings_.reshard_after_forward) z3_->reshard_all();  // else each unit goes once its backward is done
   }
 
   void before_backward(const at::Tensor& loss) {
@@ -419,10 +419,7 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
 
   /// The tensors the optimizer steps: this rank's shards, or their host
   /// twins under cpu_offload (NOTE [CPU offload]).
-  const std::vector<at::Tensor>& optimizer_parameters() const {
-    return offload_.enabled() ? offload_.parameters() : z3_->shards;
-  }
-  const std::vector<at::Tensor>& offloaded_parameters() const { return offload_.parameters(); }
+  const std::vector<at::Tensor>& optimizer_parameters() const { return stepped(z3_->shards); }
   /// This rank's parameter shards in device memory (the optimizer's own
   /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
   const std::vector<at::Tensor>& device_shards() const { return z3_->shards; }
@@ -437,16 +434,6 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     return held_shards();
   }
   std::optional<ShardedParameters> held_shards() const { return ShardedParameters{flat_buckets(), z3_->shards, model_}; }
-
-  /// Rank r holds shard r of every bucket (NOTE [ZeRO shards]).
-  ShardLayout shard_layout() const { return {state_->comm->size(), state_->comm->rank(), true, bucket_numels()}; }
-  NormReduction norm_reduction() { return {state_->comm, {}}; }
-
-  std::vector<std::int64_t> bucket_numels() const {
-    std::vector<std::int64_t> out;
-    for (const auto& bucket : state_->buckets) out.push_back(bucket.numel);
-    return out;
-  }
 
   /// Checkpoints: every unit gathered (all ranks call it), then released;
   /// after a load, each rank's shards are taken from the loaded parameters.
@@ -518,11 +505,6 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
     std::erase(registry.states, z3_.get());
   }
 
-  // Lazy buckets: the launched ones' reduce-scatters landed, summed, their full gradients dropped.
-  void retire_launched() {
-    retire_launched_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(b, grad_shards_[b], received_[b]); });
-  }
-
   void launch(std::size_t b) {
     auto& s = *state_;
     // Before this bucket's collective allocates its buffers (NOTE [Gradient buckets]).
@@ -544,10 +526,6 @@ class ZeROEngine<3, Precision, Device> : public BucketedEngineBase {
   torch::nn::Module* model_ = nullptr;
   std::optional<at::CallbackHandle> observer_;
   bool detached_ = false;
-  std::vector<at::Tensor> grad_shards_;
-  std::vector<at::Tensor> received_;
-  std::vector<comm::Pending> work_;
-  HostOffload offload_;
   std::optional<at::Device> materialize_on_;  // set for a model built on meta
 };
 
