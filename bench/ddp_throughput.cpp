@@ -59,7 +59,7 @@
 #include <accel/accel.hpp>
 #include <accel/device/allocation_counter.hpp>
 #include <accel/device/host_memory.hpp>
-#include <accel/device/meta.hpp>
+#include <accel/deferred_init/meta.hpp>
 #include <accel/device/peak_memory.hpp>
 #include <accel/estimate/shapes.hpp>
 #include <accel/bench.hpp>

@@ -17,7 +17,7 @@
 #include <torch/optim/adam.h>
 
 #include <accel/accel.hpp>
-#include <accel/device/meta.hpp>
+#include <accel/deferred_init/meta.hpp>
 
 #include "flags.hpp"
 #include "gpt_model.hpp"

@@ -86,7 +86,7 @@ struct TrainerOptions {
   int total_limit = 0;
   /// Before each collective the ranks check that they agree on it, and every
   /// rank raises comm::CollectiveMismatch with each rank's view where they do
-  /// not (NOTE [Debug mode] in comm/communicator.hpp). Unset:
+  /// not (NOTE [Debug mode] in comm/checked_group.hpp). Unset:
   /// ACCELERATE_DEBUG_MODE (what `accel launch --debug` sets), else off.
   std::optional<bool> debug{};
   /// Accelerate's GradientAccumulationPlugin(sync_with_dataloader): the last

@@ -716,6 +716,7 @@ TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the sa
                               {"How many different machines", ""},
                               {"Should distributed operations be checked", "yes"},
                               {"Do you want to use FullyShardedDataParallel", "y"},
+                              {"What should be your FSDP version?", "1"},
                               {"What should be your sharding strategy?", "1"},
                               {"offload parameters and gradients to CPU?", "maybe"},
                               {"Please enter yes or no.", "no"},
@@ -736,7 +737,7 @@ TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the sa
     CHECK(json["debug"] == true);
     CHECK(json["mixed_precision"] == "bf16");
     CHECK(json["gradient_accumulation_steps"] == 2);
-    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
+    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_version", "1", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
                         "--fsdp_offload_params", "false", "--cpu", "--num_processes", "3", "--debug",
                         "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2", "--num_machines", "1"},
                        dir);
@@ -750,6 +751,7 @@ TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the sa
                               {"How many different machines", ""},
                               {"Should distributed operations be checked", "no"},
                               {"Do you want to use FullyShardedDataParallel", "y"},
+                              {"What should be your FSDP version?", "1"},
                               {"What should be your sharding strategy?", "FULL_SHARD"},
                               {"offload parameters and gradients to CPU?", "no"},
                               {"What should be your auto wrap policy?", "NO_WRAP"},
@@ -761,7 +763,7 @@ TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the sa
     CHECK(r.status == 0);
     const auto json = nlohmann::json::parse(read_file(asked));
     CHECK(json["fsdp_config"]["fsdp_state_dict_type"] == "SHARDED_STATE_DICT");
-    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD",
+    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_version", "1", "--fsdp_sharding_strategy", "FULL_SHARD",
                         "--fsdp_offload_params", "false", "--fsdp_auto_wrap_policy", "NO_WRAP",
                         "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--cpu", "--num_processes", "2",
                         "--mixed_precision", "no", "--gradient_accumulation_steps", "1", "--num_machines", "1"},
@@ -776,6 +778,7 @@ TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the sa
                               {"How many different machines", ""},
                               {"Should distributed operations be checked", "no"},
                               {"Do you want to use FullyShardedDataParallel", "y"},
+                              {"What should be your FSDP version?", "1"},
                               {"What should be your sharding strategy?", "HYBRID_SHARD"},
                               {"offload parameters and gradients to CPU?", "no"},
                               {"What should be your auto wrap policy?", "TRANSFORMER_BASED_WRAP"},
@@ -790,11 +793,39 @@ TEST_CASE("config on a terminal: Accelerate's questions, answers checked, the sa
     const auto json = nlohmann::json::parse(read_file(asked));
     CHECK(json["fsdp_config"]["fsdp_activation_checkpointing"] == true);
     CHECK(json["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "BlockImpl");
-    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD",
+    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_version", "1", "--fsdp_sharding_strategy", "HYBRID_SHARD",
                         "--fsdp_offload_params", "false", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
                         "--fsdp_transformer_layer_cls_to_wrap", "BlockImpl", "--fsdp_state_dict_type",
                         "FULL_STATE_DICT", "--fsdp_activation_checkpointing", "true", "--cpu", "--num_processes", "4",
                         "--mixed_precision", "no", "--gradient_accumulation_steps", "1", "--num_machines", "1"},
+                       dir);
+    CHECK(w.status == 0);
+    CHECK(json == nlohmann::json::parse(read_file(flagged)));
+  }
+  SUBCASE("FSDP2 (Accelerate's default version): resharding after forward asked instead of a strategy") {
+    const std::string asked = dir.file("v2.json"), flagged = dir.file("v2_flags.json");
+    auto r = run_in_terminal({"config", "--config_file", asked}, dir,
+                             {{"Which type of machine are you using?", "multi-CPU"},
+                              {"How many different machines", ""},
+                              {"Should distributed operations be checked", "no"},
+                              {"Do you want to use FullyShardedDataParallel", "y"},
+                              {"What should be your FSDP version?", ""},
+                              {"Do you want to enable resharding after forward?", "no"},
+                              {"offload parameters and gradients to CPU?", "no"},
+                              {"How many CPU processes in total", "2"},
+                              {"Do you wish to use mixed precision?", "no"},
+                              {"How many gradient accumulation steps?", "1"}});
+    INFO(r);
+    CHECK(r.status == 0);
+    const auto json = nlohmann::json::parse(read_file(asked));
+    CHECK(json["fsdp_config"]["fsdp_version"] == 2);
+    CHECK(json["fsdp_config"]["fsdp_reshard_after_forward"] == false);
+    CHECK_FALSE(json["fsdp_config"].contains("fsdp_sharding_strategy"));
+    CHECK_FALSE(json["fsdp_config"].contains("fsdp_auto_wrap_policy"));  // no units to wrap without resharding
+    auto w = run_accel({"config", "--config_file", flagged, "--use_fsdp", "--fsdp_version", "2",
+                        "--fsdp_reshard_after_forward", "false", "--fsdp_offload_params", "false", "--cpu",
+                        "--num_processes", "2", "--mixed_precision", "no", "--gradient_accumulation_steps", "1",
+                        "--num_machines", "1"},
                        dir);
     CHECK(w.status == 0);
     CHECK(json == nlohmann::json::parse(read_file(flagged)));

@@ -83,6 +83,37 @@ TEST_SUITE("collectives") {
     CHECK_THROWS_AS(shard_range(-1, 2, 0), std::invalid_argument);
   }
 
+  TEST_CASE("each backend's adapter says how a tensor travels: Gloo sums bf16 in fp32 and carries what its "
+            "all-gather refuses; NCCL takes host tensors through the GPU") {
+    using accel::comm::adapter_for;
+    using accel::comm::BackendKind;
+    using accel::comm::Carried;
+    const auto& gloo = adapter_for(BackendKind::gloo);
+    const auto& nccl = adapter_for(BackendKind::nccl);
+    CHECK(std::string(gloo.name()) == "Gloo");
+    CHECK(std::string(nccl.name()) == "NCCL");
+    const auto bf16 = at::zeros({4}, at::TensorOptions().dtype(at::kBFloat16));
+    const auto fp32 = at::zeros({4});
+    const auto reduced = gloo.route(Carried::reduced, bf16);
+    CHECK((reduced.dtype == std::optional<at::ScalarType>(at::kFloat)));
+    CHECK_FALSE(reduced.device.has_value());
+    CHECK(gloo.route(Carried::reduced, fp32).as_is());
+    CHECK(gloo.route(Carried::broadcast, bf16).as_is());  // broadcast moves bytes as they are
+    CHECK((gloo.route(Carried::gathered, bf16).dtype == accel::compat::gloo_all_gather_carrier(at::kBFloat16)));
+    CHECK(gloo.route(Carried::gathered, fp32).as_is());
+    CHECK(gloo.overwrites_rows());
+    CHECK(gloo.on_wire(fp32).is_same(fp32));
+    for (auto what : {Carried::reduced, Carried::broadcast, Carried::gathered}) {
+      const auto route = nccl.route(what, fp32);
+      CHECK((route.device.has_value() && route.device->is_cuda()));
+      CHECK_FALSE(route.dtype.has_value());
+    }
+    CHECK_FALSE(nccl.overwrites_rows());
+    // A handle takes the adapter of the backend it was connected with (one process: no rendezvous).
+    CHECK(&accel::comm::Communicator{}.adapter() == &gloo);
+    CHECK(&accel::comm::Communicator::connect(accel::comm::WorldInfo{}, BackendKind::nccl, 1s).adapter() == &nccl);
+  }
+
   TEST_CASE("the padded layout the native (NCCL) collectives use round-trips for every shard_range split") {
     // No NCCL here: this checks the padding arithmetic that path relies on.
     for (int world : {1, 2, 3, 4})

@@ -2,7 +2,9 @@
 // exits 77, which meson reports as SKIP (never as a pass).
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/randn.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -38,6 +40,20 @@ TEST_CASE("CUDA: Trainer<SingleProcess, BF16, CUDA> runs the forward in bf16 on 
   });
   CHECK((inside == at::kBFloat16));
   CHECK((net->parameters().front().scalar_type() == at::kFloat));
+}
+
+TEST_CASE("CUDA: NCCL's adapter connects a process group, and host tensors travel through the GPU") {
+  const auto& nccl = accel::comm::adapter_for(accel::comm::BackendKind::nccl);
+  const auto host = at::arange(4, at::TensorOptions().dtype(at::kFloat));
+  const auto wire = nccl.on_wire(host);
+  CHECK(wire.is_cuda());
+  CHECK(wire.cpu().equal(host));
+  // A group of one over a store of its own: the adapter's process group all-reduces on the GPU.
+  auto backend = nccl.connect(c10::make_intrusive<c10d::HashStore>(), 0, 1, accel::comm::WorldInfo{},
+                              std::chrono::seconds(60));
+  std::vector<at::Tensor> tensors{wire.clone()};
+  backend->allreduce(tensors)->wait();
+  CHECK(tensors[0].cpu().equal(host));
 }
 
 TEST_CASE("CUDA: FP16 with dynamic loss scaling trains, and an overflow is skipped") {

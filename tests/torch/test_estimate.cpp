@@ -14,7 +14,7 @@
 #include <thread>
 
 #include <accel/device/allocation_counter.hpp>
-#include <accel/device/meta.hpp>
+#include <accel/deferred_init/meta.hpp>
 #include <accel/estimate/module.hpp>
 #include <accel/estimate/report.hpp>
 #include <accel/estimate/shapes.hpp>

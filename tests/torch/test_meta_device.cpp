@@ -1,5 +1,5 @@
 // Models built on the meta device (NOTE [Models built on meta],
-// device/meta.hpp): materialize gives bitwise the values of a real build,
+// deferred_init/meta.hpp): materialize gives bitwise the values of a real build,
 // and ZeRO-3 / HybridShard prepare such a model a unit at a time, so no rank
 // ever holds it whole.
 #include <ATen/ops/arange.h>
@@ -9,7 +9,7 @@
 #include <torch/optim/sgd.h>
 
 #include <accel/device/allocation_counter.hpp>
-#include <accel/device/meta.hpp>
+#include <accel/deferred_init/meta.hpp>
 
 #include "../../examples/gpt_model.hpp"
 #include "doctest_torch.hpp"

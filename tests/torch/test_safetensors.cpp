@@ -12,7 +12,7 @@
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 
-#include <accel/device/meta.hpp>
+#include <accel/deferred_init/meta.hpp>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>

@@ -213,7 +213,9 @@ inline int estimate_memory(const EstimateRequest& request) {
   std::printf(
       "\nper rank: parameters + gradients + optimizer + activations on the training device; host: what cpu_offload\n"
       "keeps in host memory. Model state is as held between steps; within a step ZeRO-2 also holds full-size\n"
-      "gradient buckets during backward, ZeRO-3 its gathered units, and the optimizer its temporaries.\n");
+      "gradient buckets during backward, ZeRO-3 its gathered units (one at a time; with reshard_after_forward\n"
+      "false, FSDP2's SHARD_GRAD_OP, every unit from its forward to its backward: up to the whole model's\n"
+      "parameters), and the optimizer its temporaries.\n");
   if (!activations)
     std::printf("Activations (-): estimated for fp32 only; under %s autocast measure one step with\n"
                 "accel::estimate::peak_bytes_during.\n",

@@ -119,12 +119,24 @@ inline LaunchSettings ask_config(Questions& q, bool gpus) {
                        "issues but will be slower.", false);
     if (q.yes_no("Do you want to use FullyShardedDataParallel (ZeRO)?", false)) {
       s.distributed_type = "FSDP";
-      const std::string strategy = q.choice("What should be your sharding strategy?",
-                                            accel::names_in(accel::sharding_strategy_names), 0);
-      s.fsdp_config["fsdp_sharding_strategy"] = strategy;
+      // Accelerate asks the version first (FSDP2 by default); FSDP1 names a
+      // sharding strategy, FSDP2 only whether units reshard after forward.
+      const bool fsdp2 = q.choice("What should be your FSDP version?", {"1", "2"}, 1) == "2";
+      s.fsdp_config["fsdp_version"] = fsdp2 ? 2 : 1;
+      bool has_units = true;  // ZeRO<3> / HybridShard (or FSDP2's reshard-after-forward)
+      if (fsdp2) {
+        const bool reshard = q.yes_no("Do you want to enable resharding after forward?", true);
+        s.fsdp_config["fsdp_reshard_after_forward"] = reshard;
+        has_units = reshard;
+      } else {
+        const std::string strategy = q.choice("What should be your sharding strategy?",
+                                              accel::names_in(accel::sharding_strategy_names), 0);
+        s.fsdp_config["fsdp_sharding_strategy"] = strategy;
+        has_units = strategy == "FULL_SHARD" || strategy == "HYBRID_SHARD";
+      }
       s.fsdp_config["fsdp_offload_params"] =
           q.yes_no("Do you want to offload parameters and gradients to CPU?", false);
-      if (strategy == "FULL_SHARD" || strategy == "HYBRID_SHARD") {
+      if (has_units) {
         const std::string wrap = q.choice("What should be your auto wrap policy?",
                                           accel::names_in(accel::auto_wrap_policy_names), 0);
         s.fsdp_config["fsdp_auto_wrap_policy"] = wrap;

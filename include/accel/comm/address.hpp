@@ -9,7 +9,7 @@
 // variable set. GLOO_SOCKET_IFNAME still wins, as in PyTorch. A rank that
 // would advertise a loopback address while ranks run on other machines
 // (and MASTER_ADDR is not itself a loopback address, which would put every
-// machine on this host) is refused by name (Communicator::gloo_device), as
+// machine on this host) is refused by name (GlooAdapter::device_for, comm/gloo_adapter.hpp), as
 // when MASTER_ADDR is this host's name and that resolves to 127.0.1.1.
 // Torch-free.
 

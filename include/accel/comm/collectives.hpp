@@ -12,20 +12,13 @@
 // One implementation of each, used by these synchronous forms and by the
 // ZeRO/FSDP engines' bucketed, asynchronous ones (strategy/buckets.hpp,
 // zero.hpp, zero3.hpp), on a flat tensor of `world` equal rows:
-//   reduce_scatter_rows_async: NCCL's native _reduce_scatter_base. Gloo has
-//     none in 1.13, and 2.x's clones the whole input and all-reduces it (twice
-//     the bytes, a copy more memory, and a wait that ignores its timeout), so
-//     it is an all-to-all among the other ranks and a local sum: (n-1)/n of
-//     the tensor sent and received per rank.
-//   all_gather_rows_async: in place, this rank's row already holding its
-//     data. NCCL: native _allgather_base with that row as input (NCCL's
-//     in-place form, as FSDP2 uses it). Gloo: one broadcast per rank straight
-//     into its row, as bytes (any dtype; 1.13's Gloo refuses bf16, and its
-//     all-gather stages the whole output in a buffer of its own).
+// reduce_scatter_rows_async and all_gather_rows_async, which the backend's
+// adapter builds from its own primitives (comm/gloo_adapter.hpp: an
+// all-to-all among the other ranks and a local sum, broadcasts in place;
+// comm/nccl_adapter.hpp: the native flat collectives).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -87,14 +80,6 @@ inline at::Tensor unpad_rows(const at::Tensor& rows, std::int64_t total, int wor
 
 }  // namespace detail
 
-/// The `world` consecutive (row,) slices of a flat tensor of world x row
-/// elements, rank r's the r-th: what an all-gather fills.
-inline std::vector<at::Tensor> rank_rows(const at::Tensor& flat, std::int64_t row, int world) {
-  std::vector<at::Tensor> rows;
-  for (int r = 0; r < world; ++r) rows.push_back(flat.narrow(0, r * row, row));
-  return rows;
-}
-
 /// Starts the reduce-scatter (sum) of `rows` (1-D, contiguous, size() equal
 /// rows of `shard`'s length): once the result is waited on and
 /// finish_reduce_scatter_rows has run, `shard` holds this rank's row of the
@@ -109,15 +94,7 @@ inline Pending reduce_scatter_rows_async(Communicator& comm, at::Tensor& shard, 
     shard.copy_(rows);
     return {};
   }
-  if (comm.backend_kind() == BackendKind::nccl) return comm.reduce_scatter_base_async(shard, rows, std::move(what));
-  const int n = comm.size(), r = comm.rank();
-  const std::int64_t len = shard.numel();
-  c10::NoGradGuard no_grad;
-  shard.copy_(rows.narrow(0, r * len, len));
-  for (int j = r + 1; j < n; ++j) rows.narrow(0, (j - 1) * len, len).copy_(rows.narrow(0, j * len, len));
-  at::Tensor others = rows.narrow(0, 0, (n - 1) * len);  // (n-1) x (len,): the rows for ranks != r, in rank order
-  received = at::empty_like(others);
-  return comm.all_to_all_others_async(received, others, std::move(what), Collective::reduce_scatter, counted);
+  return comm.adapter().reduce_scatter_rows_async(comm, shard, rows, received, counted, std::move(what));
 }
 
 /// Completes reduce_scatter_rows_async after its wait: adds the other ranks'
@@ -136,16 +113,7 @@ inline void finish_reduce_scatter_rows(const Communicator& comm, at::Tensor& sha
 /// `rows`; any dtype. One rank: nothing to do.
 inline std::vector<Pending> all_gather_rows_async(Communicator& comm, at::Tensor& rows, const std::string& what) {
   if (!comm.distributed()) return {};
-  const int n = comm.size();
-  const std::int64_t len = rows.numel() / n;
-  if (comm.backend_kind() == BackendKind::nccl) {
-    at::Tensor mine = rows.narrow(0, comm.rank() * len, len);
-    std::vector<Pending> out;
-    out.push_back(comm.all_gather_base_async(rows, mine, what));
-    return out;
-  }
-  auto chunks = rank_rows(rows, len, n);
-  return comm.all_gather_in_place_async(chunks, what);
+  return comm.adapter().all_gather_rows_async(comm, rows, what);
 }
 
 /// This rank's shard (shard_range(N, world, rank).size elements) of the
@@ -165,17 +133,17 @@ inline at::Tensor reduce_scatter(Communicator& comm, const at::Tensor& input, co
   if (!comm.distributed()) return input.clone();
   const int n = comm.size(), r = comm.rank();
   const std::int64_t total = input.numel(), longest = shard_range(total, n, 0).size;
-  const bool gloo = comm.backend_kind() == BackendKind::gloo;
-  const bool widen = gloo && input.scalar_type() == at::kBFloat16;  // summed in fp32, rounded once
-  at::Tensor work = widen ? input.to(at::kFloat).contiguous() : input.contiguous();  // (N)
+  const BackendAdapter& backend = comm.adapter();
+  const auto reduced_as = backend.route(Carried::reduced, input).dtype;  // Gloo: bf16 summed in fp32, rounded once
+  at::Tensor work = reduced_as ? input.to(*reduced_as).contiguous() : input.contiguous();  // (N)
   at::Tensor rows;  // (n * longest): Gloo writes over it, so never the caller's input
   if (total % n != 0) rows = detail::pad_to_rows(work, n).reshape({n * longest});
-  else rows = gloo && work.is_same(input) ? work.clone() : work;
+  else rows = backend.overwrites_rows() && work.is_same(input) ? work.clone() : work;
   at::Tensor out = at::empty({longest}, work.options()), received;  // (longest)
   reduce_scatter_rows_async(comm, out, rows, received, work, what + " (reduce-scatter)").wait();
   finish_reduce_scatter_rows(comm, out, received);
   at::Tensor mine = total % n == 0 ? out : out.narrow(0, 0, shard_range(total, n, r).size).clone();  // (size(r))
-  return widen ? mine.to(input.scalar_type()) : mine;
+  return reduced_as ? mine.to(input.scalar_type()) : mine;
 }
 
 /// Every rank's 1-D `mine`, in rank order, where the lengths may differ (the

@@ -1,7 +1,7 @@
 #pragma once
 // The estimate of NOTE [Memory estimate] for a user's own LibTorch model:
 // its shape read from the module (which may have been built on the meta
-// device by build_shapes_on_meta, device/meta.hpp, so that no weight was ever allocated), the
+// device by build_shapes_on_meta, deferred_init/meta.hpp, so that no weight was ever allocated), the
 // optimizer's state count read from its type and options, and activations
 // measured by running the user's own step once under a counting allocator.
 //

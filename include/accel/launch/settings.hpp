@@ -58,7 +58,7 @@ std::optional<bool> launcher_reshard_after_forward();
 // optimizer state, is a ConfigurationError naming the variable.
 bool launcher_flag(const char* name);
 
-/// Debug mode (NOTE [Debug mode] in comm/communicator.hpp): the Trainer's
+/// Debug mode (NOTE [Debug mode] in comm/checked_group.hpp): the Trainer's
 /// option when set, else ACCELERATE_DEBUG_MODE (`accel launch --debug`).
 inline bool debug_mode(const std::optional<bool>& configured) {
   return configured ? *configured : launcher_flag(variables::debug_mode);
@@ -127,7 +127,7 @@ Strategy with_launcher_fsdp_settings(Strategy strategy) {
   }
   if (!launcher_flag(variables::fsdp_offload_params)) return strategy;
   using traits = strategy_traits<Strategy>;
-  if (zero != nullptr && traits::zero_stage > 0 && !traits::mesh) zero->cpu_offload = true;
+  if (zero != nullptr && !traits::mesh) zero->cpu_offload = true;
   else if (traits::mesh)
     throw ConfigurationError("accel: the launcher asked for fsdp_offload_params=true, which accel does not apply to a "
                              "Parallel<> strategy: set the data strategy's cpu_offload in the program, or launch "

@@ -1,6 +1,6 @@
 #pragma once
 // A model built by device::build_on_meta, given its values by a sharding
-// engine a unit at a time (NOTE [Models built on meta], device/meta.hpp):
+// engine a unit at a time (NOTE [Models built on meta], deferred_init/meta.hpp):
 // ZeRO-3 and HybridShard materialise each unit's parameters, cut this rank's
 // shard and free the unit before the next, so no rank ever holds the whole
 // model. For a model built whole, prepare broadcasts rank 0's weights; for
@@ -11,35 +11,14 @@
 #include <ATen/ops/cat.h>
 #include <torch/nn/module.h>
 
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "accel/comm/communicator.hpp"
-#include "accel/device/meta.hpp"
+#include "accel/deferred_init/meta.hpp"
 
 namespace accel::strategy {
-
-namespace detail {
-
-// The generator states the initialisers of `tensors` replay, each recipe once,
-// in the order the tensors come (the same on every rank for the same model).
-inline std::vector<at::Tensor> initialiser_states(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  std::vector<at::Tensor> states;
-  std::set<const device::detail::Recipe*> seen;
-  auto visit = [&](auto& self, const device::detail::Recipe& recipe) -> void {
-    if (!seen.insert(&recipe).second) return;
-    for (const auto& step : recipe.steps) {
-      for (const auto& source : step.sources) self(self, *source.recipe);
-      if (step.generator) states.push_back(step.generator_state);
-    }
-  };
-  for (const auto& [name, t] : tensors) visit(visit, *device::detail::replayable_recipe(t, name));
-  return states;
-}
-
-}  // namespace detail
 
 /// Every rank of `group` takes its first rank's generator states for the
 /// initialisers of `model` (a model built on meta): what the broadcast of
@@ -47,7 +26,7 @@ inline std::vector<at::Tensor> initialiser_states(const std::vector<std::pair<st
 inline void agree_on_initialisers(const torch::nn::Module& model, comm::Communicator& group,
                                   const std::string& strategy_name) {
   if (!group.distributed()) return;
-  auto states = detail::initialiser_states(device::detail::meta_tensors_of(model));
+  auto states = deferred_init::initialiser_states(deferred_init::meta_tensors_of(model));
   std::int64_t bytes = 0;
   for (const auto& s : states) bytes += s.numel();
   const auto mine = at::tensor({static_cast<std::int64_t>(states.size()), bytes});

@@ -301,7 +301,7 @@ class ZeRO3Engine : public ShardedEngineBase {
   /// parameters at a time, keeps this rank's shard of them and frees the unit.
   void prepare_meta_model(torch::nn::Module& model, at::Device device) {
     if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
-    device::check_materializable(model);  // every rank alike, before any collective
+    deferred_init::check_materializable(model);  // every rank alike, before any collective
     collect(model, /*broadcast=*/false);
     agree_on_initialisers(model, *state_->comm, state_->settings.strategy_name);
     checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
@@ -332,7 +332,7 @@ class ZeRO3Engine : public ShardedEngineBase {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
       auto& bucket = s.buckets[b];
       const std::size_t u = static_cast<std::size_t>(bucket.unit);
-      if (materialize_on_) device::detail::materialize_each(named_parameters_of(b), *materialize_on_);  // this bucket's only
+      if (materialize_on_) deferred_init::materialize_each(named_parameters_of(b), *materialize_on_);  // this bucket's only
       at::Tensor flat = flatten_parameters(b);  // (padded,)
       const std::int64_t shard = bucket.padded / world;
       z.flat.push_back(flat);
@@ -346,8 +346,8 @@ class ZeRO3Engine : public ShardedEngineBase {
     }
     // Built on meta: buffers and frozen parameters, which are not sharded, whole.
     if (materialize_on_) {
-      device::detail::materialize_each(device::detail::meta_tensors_of(*model_), *materialize_on_);
-      device::detail::recipe_book().prune();  // the records of the storages just replaced
+      deferred_init::materialize_each(deferred_init::meta_tensors_of(*model_), *materialize_on_);
+      deferred_init::forget_replaced();  // the records of the storages just replaced
     }
     for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
     if (offload_.enabled()) offload_.attach(z.shards);
@@ -374,7 +374,7 @@ class ZeRO3Engine : public ShardedEngineBase {
   void after_forward() {
     if (detached_) return;  // unwrapped: the model stays whole
     z3_->last_forward_order = z3_->forward_order;
-    if (settings_.reshard_after_forward) z3_->reshard_all();  // else each unit goes once its backward is done
+    if (z3_->reshard_after_forward) z3_->reshard_all();  // else each unit goes once its backward is done
   }
 
   void before_backward(const at::Tensor& loss) {
@@ -483,7 +483,7 @@ class ZeRO3Engine : public ShardedEngineBase {
     c10::NoGradGuard no_grad;
     for (auto& p : state_->params) {
       p.mutable_grad() = at::Tensor();
-      device::detail::give_data(p, at::empty_strided(p.sizes(), p.strides(), p.options().device(at::kMeta)));
+      deferred_init::return_to_meta(p);
     }
   }
 

@@ -1,35 +1,9 @@
 #pragma once
-// Building a model without allocating its weights, and giving it its weights
-// later, a piece at a time. LibTorch's C++ modules create their parameters
-// with the default options (host memory) and initialise them at once; there
-// is no torch.device("meta") context in C++, and no to_empty().
-//
-// NOTE [Models built on meta]
-// build_on_meta runs the constructor with one more dispatch key enabled for
-// the thread (Fake, the out-of-tree key torchdistx's fake tensors used),
-// whose fallback sends every operator's `device` argument to the meta
-// device. Parameters come out as meta tensors: shapes, dtypes and module
-// structure without storage. The fallback also writes down, per storage, the
-// operators that made and wrote it (torchdistx's deferred_init, in C++): the
-// creating operator (a factory such as empty or randn, or one computing the
-// tensor from others, such as TP layers' narrow().clone() of a full Linear)
-// and each in-place operator on a view of it (kaiming_uniform_'s uniform_,
-// fill_, copy_ from another tensor), with the view's geometry and, for a
-// random operator, the generator's state just before it. A random operator is
-// also run once on a throw-away tensor of the same layout, so the generator
-// leaves the build where a real build leaves it and the next operator's
-// recorded state is the one a real build would have used.
-// materialized(t) replays t's storage: the same operators, on the device a
-// real build would have used, from the same generator states; the values are
-// bitwise those of a real build. ZeRO-3 replays one parameter at a time into
-// its shard (strategy/deferred_init.hpp); materialize(model) replays all.
-// An operator on real tensors only runs as it is (it is not the model's);
-// options taken from a meta tensor stand for the device the model lives on;
-// real tensors an operator reads (a constant copied in) are kept as they were.
-// Refused with a sentence when materialised: a tensor not made inside
-// build_on_meta (or made over again outside it, e.g. by model->to(dtype)),
-// resize_/set_, Tensor?[] arguments, an operator writing two recorded tensors
-// or a list of them.
+// The recorder and replayer behind deferred_init/meta.hpp (NOTE [Models
+// built on meta] there): the Fake dispatch key's fallback that writes down
+// each storage's operators during a build on meta, and the replay that
+// computes them again. Included only where deferred_init's functions are
+// defined (its compiled-once section); nothing else calls into it.
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
@@ -55,9 +29,9 @@
 #include <utility>
 #include <vector>
 
-namespace accel::device {
+#include <algorithm>
 
-namespace detail {
+namespace accel::deferred_init::detail {
 
 struct Recipe;
 
@@ -439,21 +413,6 @@ inline void register_meta_fallback() {
   (void)library;
 }
 
-template <class Build>
-auto build_with_fallback(Build&& build, bool record) -> decltype(std::forward<Build>(build)()) {
-  register_meta_fallback();
-  struct Mode {
-    bool previous = record_initialisers;
-    ~Mode() {
-      record_initialisers = previous;
-      recipe_book().prune();
-    }
-  } mode;
-  record_initialisers = record;
-  c10::impl::IncludeDispatchKeyGuard meta(c10::DispatchKey::Fake);
-  return std::forward<Build>(build)();
-}
-
 // Gives a meta parameter real data in place: its TensorImpl (which the
 // module's members, e.g. LinearImpl::weight, share) takes the new tensor's
 // storage and device. set_data refuses a meta -> CPU change of type, so the
@@ -464,26 +423,6 @@ inline void give_data(const at::Tensor& meta, const at::Tensor& data) {
   const_cast<at::Tensor&>(meta).set_data(data);
 }
 
-}  // namespace detail
-
-/// Returns what `build()` returns, every tensor it created on the meta
-/// device, each with what materialized() needs to give it its values.
-///   auto gpt = accel::device::build_on_meta([&] { return gpt::make_gpt(config, tp); });
-/// A random initialiser allocates its tensor once, for the moment it runs
-/// (NOTE above): the build holds at most one tensor at a time.
-template <class Build>
-auto build_on_meta(Build&& build) -> decltype(std::forward<Build>(build)()) {
-  return detail::build_with_fallback(std::forward<Build>(build), true);
-}
-
-/// The model's shapes and structure only, nothing allocated and nothing
-/// recorded (an estimate's input): it cannot be materialised.
-template <class Build>
-auto build_shapes_on_meta(Build&& build) -> decltype(std::forward<Build>(build)()) {
-  return detail::build_with_fallback(std::forward<Build>(build), false);
-}
-
-namespace detail {
 
 // The recipe materialized() replays for `t`, or the sentence saying why there is none.
 inline std::shared_ptr<const Recipe> replayable_recipe(const at::Tensor& t, const std::string& name) {
@@ -500,63 +439,4 @@ inline std::shared_ptr<const Recipe> replayable_recipe(const at::Tensor& t, cons
   return recipe;
 }
 
-}  // namespace detail
-
-/// The values a real build would have given `t` (a tensor of a model made by
-/// build_on_meta), computed again, on the device that build would have used
-/// (the host, unless the model asked for another). `name` is for errors.
-/// Run it while no other thread draws from the default generators.
-inline at::Tensor materialized(const at::Tensor& t, const std::string& name) {
-  const auto recipe = detail::replayable_recipe(t, name);
-  detail::ReplayCache cache;
-  const auto buffer = detail::replay(*recipe, recipe->steps.size(), cache);
-  return buffer.as_strided(t.sizes(), t.strides(), t.storage_offset());
-}
-
-/// Throws what preparing `model` from meta would, before anything is
-/// computed or communicated: every meta tensor can be replayed, and no
-/// parameter is real beside them (its value would not be rank 0's).
-inline void check_materializable(const torch::nn::Module& model) {
-  for (const auto& item : model.named_parameters()) {
-    if (!item.value().is_meta())
-      throw std::logic_error("accel: parameter '" + item.key() +
-                             "' is a real tensor in a model built on the meta device: build the whole model inside "
-                             "accel::device::build_on_meta (load trained weights after prepare, with load_state)");
-    (void)detail::replayable_recipe(item.value(), item.key());
-  }
-  for (const auto& item : model.named_buffers())
-    if (item.value().is_meta()) (void)detail::replayable_recipe(item.value(), item.key());
-}
-
-namespace detail {
-
-// The model's meta parameters, then its meta buffers, by name.
-inline std::vector<std::pair<std::string, at::Tensor>> meta_tensors_of(const torch::nn::Module& model) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : model.named_parameters())
-    if (item.value().is_meta()) out.emplace_back(item.key(), item.value());
-  for (const auto& item : model.named_buffers())
-    if (item.value().is_meta()) out.emplace_back(item.key(), item.value());
-  return out;
-}
-
-// Gives the meta tensors among `tensors` their values on `device`, one at a
-// time (each replayed where a real build made it, then moved).
-inline void materialize_each(const std::vector<std::pair<std::string, at::Tensor>>& tensors, at::Device device) {
-  c10::NoGradGuard no_grad;
-  for (const auto& [name, t] : tensors)
-    if (t.is_meta()) give_data(t, materialized(t, name).to(device));
-}
-
-}  // namespace detail
-
-/// Gives every meta parameter and buffer of `model` (built by build_on_meta)
-/// the values a real build would have given it, on `device` (torch's
-/// to_empty() plus the initialisation, in one): the whole model in memory, as
-/// every strategy but ZeRO-3 keeps it. The generators are left as they were.
-inline void materialize(torch::nn::Module& model, at::Device device = at::kCPU) {
-  detail::materialize_each(detail::meta_tensors_of(model), device);
-  detail::recipe_book().prune();
-}
-
-}  // namespace accel::device
+}  // namespace accel::deferred_init::detail
