@@ -12,15 +12,13 @@
 #include <accel/estimate/module.hpp>
 #include <accel/nn/activation_checkpoint.hpp>
 
-#include "../../examples/gpt_model.hpp"
+#include "tiny_gpt.hpp"
 #include "doctest_torch.hpp"
 
 using namespace accel::testing;
 namespace estimate = accel::estimate;
 
 namespace {
-
-const gpt::Config tiny_gpt{.vocab = 30, .context = 8, .width = 12, .heads = 3, .layers = 2};
 
 // The activation_checkpointing field of a ZeRO strategy, or of Parallel's data strategy.
 template <class Strategy>

@@ -19,7 +19,7 @@
 #include <accel/estimate/report.hpp>
 #include <accel/estimate/shapes.hpp>
 
-#include "../../examples/gpt_model.hpp"
+#include "tiny_gpt.hpp"
 #include "doctest_torch.hpp"
 
 using namespace accel::testing;
@@ -41,8 +41,6 @@ torch::nn::Sequential make_mlp(const std::vector<std::int64_t>& widths) {
 // Odd widths: 280 parameters, divisible by neither 2 nor 3, so every sharded
 // figure depends on the padding.
 const std::vector<std::int64_t> odd_widths{7, 13, 9, 5};
-const gpt::Config tiny_gpt{.vocab = 30, .context = 8, .width = 12, .heads = 3, .layers = 2};
-
 void require_same_tree(const accel::strategy::ModuleNode& real, const accel::strategy::ModuleNode& described,
                        const std::string& path) {
   require(real.class_name == described.class_name, path + ": class " + real.class_name + " vs " + described.class_name);

@@ -47,12 +47,13 @@ at::Tensor unsharded(accel::comm::Communicator& tp, const at::Tensor& slice, std
 // both clip the global gradient norm, which must count each tensor slice and
 // the replicated RowParallelLinear bias once (not once per tensor rank). With
 // `Accumulate` > 1, each rank's batch arrives as that many micro-batches.
+// `settings` must have tensor = 2.
 template <class Strategy, bool Clip = false, int Accumulate = 1>
-void data_by_tensor(int) {
+void data_by_tensor_with(const Strategy& settings) {
   const int steps = 3;
   const std::int64_t b = 4, micro = b / Accumulate;
   const double max_norm = 0.05;
-  accel::Trainer<Strategy> trainer(Strategy{.tensor = 2}, accel::TrainerOptions{.gradient_accumulation_steps = Accumulate});
+  accel::Trainer<Strategy> trainer(settings, accel::TrainerOptions{.gradient_accumulation_steps = Accumulate});
   auto& tp = trainer.tensor_group();
   auto full = full_layers({{8, 16}, {16, 4}});
   torch::nn::Sequential model(accel::nn::ColumnParallelLinear(full[0], tp), torch::nn::Tanh(),
@@ -104,6 +105,11 @@ void data_by_tensor(int) {
   // measured (1.13, DDP and ZeRO-1/2/3): 6.0e-8 plain, 3.0e-8 over 2 micro-batches, 1.5e-8 clipped
   require(diff < 2e-7, std::string(Clip ? "clipped " : "") + (Accumulate > 1 ? "accumulated " : "") +
                            "data x tensor vs one process: " + sci(diff));
+}
+
+template <class Strategy, bool Clip = false, int Accumulate = 1>
+void data_by_tensor(int) {
+  data_by_tensor_with<Strategy, Clip, Accumulate>(Strategy{.tensor = 2});
 }
 
 // Tensor 2 x pipeline 2 (x whatever data size the world leaves), per-data-rank
@@ -238,6 +244,13 @@ TEST_SUITE("parallel") {
   TEST_CASE_TEMPLATE("data 2 x tensor 2 with clip_grad_norm: the global norm and the weights equal one process", Data,
                      accel::DDP, accel::ZeRO<1>, accel::ZeRO<3>) {
     accel::spawn(4, data_by_tensor<accel::Parallel<Data>, true>, bounded(120s));
+  }
+
+  TEST_CASE("Parallel<ZeRO<3>> with reshard_after_forward = false (units kept from forward to backward) equals one "
+            "process: data 2 x tensor 2, also accumulating 2 micro-batches") {
+    const accel::Parallel<accel::ZeRO<3>> kept{.data = {.reshard_after_forward = false}, .tensor = 2};
+    accel::spawn(4, [&](int) { data_by_tensor_with(kept); }, bounded(120s));
+    accel::spawn(4, [&](int) { data_by_tensor_with<accel::Parallel<accel::ZeRO<3>>, false, 2>(kept); }, bounded(120s));
   }
 
   TEST_CASE("tensor 2 alone (2 ranks) with 2 micro-batches per step, and with clip_grad_norm, equals one process") {

@@ -340,6 +340,29 @@ TEST_SUITE("zero") {
         bounded(120s));
   }
 
+  TEST_CASE("reshard_after_forward = false under cpu_offload (2 ranks) and HybridShard (4 ranks, groups of 2) is "
+            "bitwise reshard_after_forward = true, and one process") {
+    auto zero3 = [](bool reshard, bool offload) {
+      return accel::ZeRO<3>{.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60,
+                            .cpu_offload = offload, .reshard_after_forward = reshard};
+    };
+    const int steps = 3;
+    const std::int64_t b = 2;
+    accel::spawn(2, [&](int rank) {
+      auto kept = train(zero3(false, true), rank, 2, steps, b);
+      require(max_param_diff(*kept, *train(zero3(true, true), rank, 2, steps, b)) == 0,
+              "offloaded: reshard_after_forward false == true, bitwise");
+      within(max_param_diff(*kept, *reference(steps, b * 2)), kFp32Bound, rank, "offloaded, kept vs one process");
+    }, bounded(120s));
+    accel::spawn(4, [&](int rank) {
+      auto hybrid = [&](bool reshard) { return accel::HybridShard{.zero = zero3(reshard, false), .shard_group_size = 2}; };
+      auto kept = train(hybrid(false), rank, 4, steps, b);
+      require(max_param_diff(*kept, *train(hybrid(true), rank, 4, steps, b)) == 0,
+              "HybridShard: reshard_after_forward false == true, bitwise");
+      within(max_param_diff(*kept, *reference(steps, b * 4)), kFp32Bound, rank, "HybridShard, kept vs one process");
+    }, bounded(120s));
+  }
+
   TEST_CASE("cpu_offload: ZeRO-1, ZeRO-2 and ZeRO-3 stepping host twins equal the same strategy without offload "
             "(bitwise) and one process; the optimizer state is held only by the twins") {
     // NOTE [CPU offload]. On this CPU device the twins are separate host

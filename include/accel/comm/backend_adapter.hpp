@@ -41,6 +41,10 @@ struct Route {
   std::optional<at::Device> device{};
   std::optional<at::ScalarType> dtype{};
   bool as_is() const { return !device && !dtype; }
+  /// `tensor` as it travels (a copy unless already on that device and dtype).
+  at::Tensor applied_to(const at::Tensor& tensor) const {
+    return tensor.to(device.value_or(tensor.device()), dtype.value_or(tensor.scalar_type()));
+  }
 };
 
 /// One c10d backend's rules and the collectives built from them. Stateless:

@@ -144,7 +144,7 @@ class Communicator {
   // copies the result back.
   template <class Collective>
   static void through(at::Tensor& tensor, const Route& route, Collective&& collective) {
-    at::Tensor converted = tensor.to(route.device.value_or(tensor.device()), route.dtype.value_or(tensor.scalar_type()));
+    at::Tensor converted = route.applied_to(tensor);
     collective(converted);
     tensor.copy_(converted);
   }
@@ -240,8 +240,7 @@ ACCEL_COMPILED_ONCE auto Communicator::all_gather(const at::Tensor& tensor, cons
   const profiling::Range range("accel::all_gather", what);
   if (!distributed()) return {tensor};
   if (const auto route = adapter().route(Carried::gathered, tensor); !route.as_is()) {
-    auto parts = all_gather(
-        tensor.to(route.device.value_or(tensor.device()), route.dtype.value_or(tensor.scalar_type())), what);
+    auto parts = all_gather(route.applied_to(tensor), what);
     for (auto& part : parts) part = part.to(tensor.device(), tensor.scalar_type());
     return parts;
   }

@@ -173,9 +173,29 @@ class ZeRO3State {
     current = SIZE_MAX;
   }
 
+  // NOTE [A collective that fails inside the observer]
+  // RecordFunction runs observers inside a try that logs and swallows what
+  // they throw ("Exception in RecordFunction callback"), so a failed gather
+  // cannot stop the operator that asked for it. The observer keeps the first
+  // failure instead; from then on no unit is gathered (each further gather
+  // would wait out the timeout on the same dead peer), a unit that is read
+  // gets zeroed memory so the rest of the forward or backward runs on defined
+  // bytes, and the engine rethrows the failure as soon as it has control back
+  // (after the forward, before and after the backward, before a checkpoint).
+  std::exception_ptr failure;
+
+  void fail(std::exception_ptr error) {
+    if (!failure) failure = std::move(error);
+    for (auto& unit : units) unit.gathering.clear();  // their collectives failed or never will complete
+  }
+  void rethrow_failure() const {
+    if (failure) std::rethrow_exception(failure);
+  }
+
   // Called by the observer before an operator that reads unit `u`.
   void on_use(std::size_t u) {
     if (held) return;
+    if (failure) return make_readable(u);
     if (!backward && u != current) {
       if (current != SIZE_MAX && current != root && reshard_after_forward) reshard(current);
       current = u;
@@ -187,6 +207,20 @@ class ZeRO3State {
       auto it = std::find(last_forward_order.begin(), last_forward_order.end(), u);
       if (it != last_forward_order.end() && it != last_forward_order.begin()) unshard(*(it - 1));
     }
+  }
+
+ private:
+  // After a failure: the unit's memory exists (zeroed) and it counts as
+  // gathered, so no operator reads a freed buffer and reshard frees it.
+  void make_readable(std::size_t u) {
+    auto& unit = units[u];
+    if (unit.state == UnitState::unsharded) return;
+    for (auto b : unit.buckets) {
+      auto* storage = flat[b].storage().unsafeGetStorageImpl();
+      if (storage->nbytes() != bytes(b)) set_storage_bytes(storage, bytes(b));
+      at::empty({0}, flat[b].options()).set_(flat[b].storage(), 0, {flat[b].numel()}, {1}).zero_();
+    }
+    unit.state = UnitState::unsharded;
   }
 };
 
@@ -222,7 +256,12 @@ inline std::unique_ptr<at::ObserverContext> zero3_observe(const at::RecordFuncti
     if (state == nullptr) return;
     if (t.is_cpu() && std::this_thread::get_id() != state->owner) return;
     BusyScope busy;
-    state->on_use(unit);
+    try {
+      state->on_use(unit);
+    } catch (...) {  // NOTE [A collective that fails inside the observer]
+      state->fail(std::current_exception());
+      state->on_use(unit);  // zeroed memory for this operator
+    }
   };
   for (const auto& input : fn.inputs()) {
     if (input.isTensor()) visit(input.toTensor());
@@ -268,7 +307,9 @@ class ZeRO3Engine : public ShardedEngineBase {
   // before, to have it whole).
   ~ZeRO3Engine() {
     if (!detached_ && std::uncaught_exceptions() == 0 && !z3_->shards.empty()) {
-      if (materialize_on_) {
+      if (z3_->failure) {
+        std::fprintf(stderr, "accel ZeRO<3>: the model stays sharded at shutdown: a collective of its training failed\n");
+      } else if (materialize_on_) {
         back_to_meta();
       } else {
         try {
@@ -285,6 +326,7 @@ class ZeRO3Engine : public ShardedEngineBase {
   /// every rank again (Trainer::unwrap_model; every rank must call it).
   void unshard_permanently() {
     if (detached_) return;
+    z3_->rethrow_failure();
     gather_full_parameters();
     stop_observing();
     detached_ = true;
@@ -373,6 +415,7 @@ class ZeRO3Engine : public ShardedEngineBase {
   }
   void after_forward() {
     if (detached_) return;  // unwrapped: the model stays whole
+    z3_->rethrow_failure();
     z3_->last_forward_order = z3_->forward_order;
     if (z3_->reshard_after_forward) z3_->reshard_all();  // else each unit goes once its backward is done
   }
@@ -382,6 +425,7 @@ class ZeRO3Engine : public ShardedEngineBase {
     z3_->owner = std::this_thread::get_id();
     if (z3_->shards.empty())
       throw std::logic_error("accel ZeRO<3>: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
+    z3_->rethrow_failure();
     if (z3_->last_forward_order.empty()) z3_->last_forward_order = z3_->forward_order;
     z3_->backward = true;
     for (auto& unit : z3_->units) unit.launched = 0;
@@ -395,6 +439,7 @@ class ZeRO3Engine : public ShardedEngineBase {
   /// The reduce-scatter alone (HybridShard averages the shards across
   /// replicas before they are offloaded).
   void reduce_gradients() {
+    z3_->rethrow_failure();  // a gather of the backward failed
     wait_for_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(b, grad_shards_[b], received_[b]); });
     release_full_gradients();
     set_shards_hold_reduced(true);
@@ -438,6 +483,7 @@ class ZeRO3Engine : public ShardedEngineBase {
   /// Checkpoints: every unit gathered (all ranks call it), then released;
   /// after a load, each rank's shards are taken from the loaded parameters.
   void gather_full_parameters() {
+    z3_->rethrow_failure();
     detail::BusyScope busy;
     for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->unshard_now(u);
     z3_->held = true;
