@@ -800,8 +800,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   template <detail::model Model>
   void save_model(Model& model, const std::filesystem::path& dir, const SaveModelOptions& options = {}) {
     const std::size_t i = engine_index_of(model);
-    CheckpointHooks hooks(engines_[i]);
-    checkpoint::save_model(comm_, hooks, *models_[i], dir, options);
+    checkpoint::save_model(comm_, *engines_[i], *models_[i], dir, options);
   }
 
   /// Loads `model`'s weights from safetensors (a file, an index, or a
@@ -812,8 +811,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   template <detail::model Model>
   LoadReport load_safetensors(Model& model, const std::filesystem::path& path, const LoadOptions& options = {}) {
     const std::size_t i = engine_index_of(model);
-    CheckpointHooks hooks(engines_[i]);
-    return checkpoint::load_model(comm_, hooks, *models_[i], path, options);
+    return checkpoint::load_model(comm_, *engines_[i], *models_[i], path, options);
   }
 
   // ------------------------------------------------------------ checkpoints
@@ -1218,46 +1216,22 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     scaling_.unscale(engines_[i]->optimizer_parameters(), comm_);
   }
 
-  // The engine's checkpoint hooks, for the checkpoint room (compiled once).
-  class CheckpointHooks final : public checkpoint::EngineHooks {
-   public:
-    explicit CheckpointHooks(const std::unique_ptr<engine_type>& engine) : engine_(*engine) {}
-    strategy::ModelPart model_part(const comm::Communicator& world) const override { return engine_.model_part(world); }
-    std::optional<strategy::ShardLayout> shard_layout() const override {
-      if constexpr (strategy::sharded_engine<engine_type>) return engine_.shard_layout();
-      else return std::nullopt;
-    }
-    const std::vector<at::Tensor>& optimizer_parameters() const override { return engine_.optimizer_parameters(); }
-    void gather_full_parameters() override { engine_.gather_full_parameters(); }
-    void release_full_parameters(strategy::FullParameters what) override { engine_.release_full_parameters(what); }
-    void parameters_loaded() override { engine_.parameters_loaded(); }
-    std::optional<strategy::ShardedParameters> sharded_parameters() const override {
-      return engine_.sharded_parameters();
-    }
-    std::optional<strategy::ShardedParameters> held_shards() const override { return engine_.held_shards(); }
-
-   private:
-    engine_type& engine_;
-  };
-
   // The trainer as the checkpoint room sees it; commit() takes back what a
   // load changed in the loss scaler.
   struct CheckpointView {
     Trainer& self;
-    std::vector<CheckpointHooks> hooks;  // per engine
     precision::ScalerState scaler;
     checkpoint::TrainerView trainer;
     explicit CheckpointView(Trainer& t)
         : self(t),
-          hooks(t.engines_.begin(), t.engines_.end()),
           scaler(t.scaling_.state()),
-          trainer{t.device_,         t.comm_,      t.data_group(), engine_hooks(hooks), Precision::name,
+          trainer{t.device_,         t.comm_,      t.data_group(), engine_hooks(t.engines_), Precision::name,
                   t.models_,         t.optimizer_views(), t.counters_, scaler,   t.custom_,
                   t.loader_positions_} {}
     void commit() { self.scaling_.load_state(scaler); }
-    static std::vector<checkpoint::EngineHooks*> engine_hooks(std::vector<CheckpointHooks>& hooks) {
+    static std::vector<checkpoint::EngineHooks*> engine_hooks(std::vector<std::unique_ptr<engine_type>>& engines) {
       std::vector<checkpoint::EngineHooks*> out;
-      for (auto& h : hooks) out.push_back(&h);
+      for (auto& e : engines) out.push_back(e.get());
       return out;
     }
   };

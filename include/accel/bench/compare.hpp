@@ -180,7 +180,7 @@ class TrainingRun {
     optimizer_ = w.optimizer((*model_)->parameters());
     trainer_.prepare(*model_, *optimizer_);
     if constexpr (strategy::sharded_engine<typename Trainer<S, P, D>::engine_type>) {
-      const auto layout = trainer_.strategy_engine().shard_layout();
+      const auto layout = *trainer_.strategy_engine().shard_layout();
       inputs.shard_count = layout.count;
       inputs.bucket_numels = layout.bucket_numels;
     }

@@ -1,7 +1,7 @@
 #pragma once
 // save_state / load_state over a view of the trainer: compiled once, not per
 // Trainer<S, P, D>. The policies enter only through a few values (the
-// precision's name) and the engine's checkpoint hooks.
+// precision's name) and the engine's checkpoint hooks (its virtual interface).
 //
 // NOTE [Checkpoint layout]
 // One directory per checkpoint (NOTE [Checkpoint commit] for how it is
@@ -43,22 +43,9 @@
 
 namespace accel::checkpoint {
 
-/// The engine's part in a checkpoint (the Trainer adapts its engine to it).
-class EngineHooks {
- public:
-  virtual ~EngineHooks() = default;
-  virtual strategy::ModelPart model_part(const comm::Communicator& world) const = 0;
-  /// Empty for an engine whose optimizer state is replicated.
-  virtual std::optional<strategy::ShardLayout> shard_layout() const = 0;
-  virtual const std::vector<at::Tensor>& optimizer_parameters() const = 0;
-  virtual void gather_full_parameters() = 0;
-  virtual void release_full_parameters(strategy::FullParameters) = 0;
-  virtual void parameters_loaded() = 0;
-  /// This rank's shards, when checkpoints hold the model sharded.
-  virtual std::optional<strategy::ShardedParameters> sharded_parameters() const = 0;
-  /// This rank's shards whatever the checkpoint setting (save_model).
-  virtual std::optional<strategy::ShardedParameters> held_shards() const = 0;
-};
+/// The engine's part in a checkpoint: its CheckpointHooks, the engine
+/// itself (strategy/engine.hpp).
+using EngineHooks = strategy::CheckpointHooks;
 
 /// An object registered with register_for_checkpointing.
 struct CustomObject {

@@ -18,7 +18,7 @@
 
 namespace accel::strategy {
 
-class DDPEngine : public BucketedEngineBase {
+class DDPEngine final : public BucketedEngineBase {
  public:
   using settings_type = DDP;
   static constexpr bool shards_optimizer_state = false;
@@ -62,7 +62,7 @@ class DDPEngine : public BucketedEngineBase {
   }
 
   /// The tensors the optimizer steps (here: the model's parameters).
-  const std::vector<at::Tensor>& optimizer_parameters() const { return state_->params; }
+  const std::vector<at::Tensor>& optimizer_parameters() const override { return state_->params; }
 
  private:
   void launch(std::size_t b) {

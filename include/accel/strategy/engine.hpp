@@ -9,14 +9,16 @@
 //   Required of every engine (concept `engine`):
 //     settings_type, shards_optimizer_state,
 //     prepare_model, prepare_optimizer, before_backward, synchronize_gradients,
-//     after_optimizer_step, set_gradient_sync, zero_grad, optimizer_parameters.
-//   Required of an engine whose optimizer state is cut over ranks
-//   (shards_optimizer_state = true; concept `sharded_engine`):
-//     shard_layout(): how many shards, which one is this rank's, the bucket
-//     sizes (what a checkpoint needs to reshard it).
+//     after_optimizer_step, set_gradient_sync, zero_grad, optimizer_parameters;
+//     and the engine the Trainer holds is `final` (concept complete_engine).
+//   Checkpoint hooks (class CheckpointHooks, the one list of them: the
+//   checkpoint code, compiled once, calls them through it):
+//     shard_layout() (set exactly when shards_optimizer_state: how many
+//     shards, which one is this rank's, the bucket sizes a checkpoint needs
+//     to reshard), the model part this rank holds, the full-parameter life
+//     cycle, a sharded checkpoint's parameters, optimizer_parameters.
 //   Customisation points, with the defaults EngineDefaults documents below:
-//     forward hooks, the full-parameter life cycle of checkpoints, a sharded
-//     checkpoint's parameters, the model part this rank holds, the groups of a mesh, gradient-norm reduction,
+//     forward hooks, the groups of a mesh, gradient-norm reduction,
 //     the pipelined step, cpu_offload's host tensors.
 // An engine that wraps another (HybridShard around ZeRO-3, Parallel around
 // its data engine) derives from ForwardingEngine, which forwards the inner
@@ -32,6 +34,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "accel/comm/communicator.hpp"
@@ -114,9 +117,43 @@ struct ShardedParameters {
 /// (a load: each rank's shard must be taken from them) or only read.
 enum class FullParameters { unchanged, loaded };
 
+/// The engine's part in a checkpoint, with the defaults of an engine that
+/// holds the whole model on every rank. Virtual: save_state, load_state and
+/// save_model are compiled once and reach every engine through it (the leaf
+/// engines are `final`, so the Trainer's own calls are direct).
+class CheckpointHooks {
+ public:
+  virtual ~CheckpointHooks() = default;
+  /// How the optimizer state is cut over ranks; empty where it is replicated.
+  virtual std::optional<ShardLayout> shard_layout() const { return std::nullopt; }
+  /// The tensors the optimizer steps (a sharded engine's shards).
+  virtual const std::vector<at::Tensor>& optimizer_parameters() const = 0;
+  /// Default: every rank holds the whole model; the world's rank 0 writes it.
+  virtual ModelPart model_part(const comm::Communicator& world) const { return {0, 1, world.rank() == 0, "whole"}; }
+  /// Checkpoints: every rank calls gather, then release; the full model is in
+  /// the prepared module between them. Default: it always is.
+  virtual void gather_full_parameters() {}
+  virtual void release_full_parameters(FullParameters) {}
+  /// The model's parameters were overwritten (a checkpoint was loaded).
+  virtual void parameters_loaded() {}
+  /// Checkpoints hold this rank's shards instead of the whole model
+  /// (SHARDED_STATE_DICT). Default: none, the model is saved whole.
+  virtual std::optional<ShardedParameters> sharded_parameters() const { return std::nullopt; }
+  /// This rank's shards whatever the checkpoint setting (save_model writes
+  /// from them). Default: none, every rank holds the whole model.
+  virtual std::optional<ShardedParameters> held_shards() const { return std::nullopt; }
+
+ protected:
+  CheckpointHooks() = default;
+  CheckpointHooks(const CheckpointHooks&) = default;
+  CheckpointHooks& operator=(const CheckpointHooks&) = default;
+  CheckpointHooks(CheckpointHooks&&) = default;
+  CheckpointHooks& operator=(CheckpointHooks&&) = default;
+};
+
 /// The customisation points' defaults, for an engine that needs nothing
 /// there: it derives from this and hides what it implements.
-class EngineDefaults {
+class EngineDefaults : public CheckpointHooks {
  public:
   /// Checked before any rank connects, so every rank fails alike and at once.
   template <class Settings>
@@ -133,25 +170,11 @@ class EngineDefaults {
   /// Around the user's forward pass (ZeRO-3 gathers and frees parameters there).
   void before_forward() {}
   void after_forward() {}
-  /// Checkpoints: every rank calls gather, then release; the full model is in
-  /// the prepared module between them. Default: it always is.
-  void gather_full_parameters() {}
-  void release_full_parameters(FullParameters) {}
-  /// The model's parameters were overwritten (a checkpoint was loaded).
-  void parameters_loaded() {}
-  /// Checkpoints hold this rank's shards instead of the whole model
-  /// (SHARDED_STATE_DICT). Default: none, the model is saved whole.
-  std::optional<ShardedParameters> sharded_parameters() const { return std::nullopt; }
-  /// This rank's shards whatever the checkpoint setting (save_model writes
-  /// from them). Default: none, every rank holds the whole model.
-  std::optional<ShardedParameters> held_shards() const { return std::nullopt; }
   /// unwrap_model: the model whole on every rank, for good.
   void unshard_permanently() {}
   /// cpu_offload's host tensors the optimizer steps, and the device shards they mirror.
   const std::vector<at::Tensor>& offloaded_parameters() const { return none(); }
   const std::vector<at::Tensor>& device_shards() const { return none(); }
-  /// Default: every rank holds the whole model; the world's rank 0 writes it.
-  ModelPart model_part(const comm::Communicator& world) const { return {0, 1, world.rank() == 0, "whole"}; }
   /// Default: the local gradient norm is the global one.
   NormReduction norm_reduction() { return {}; }
   /// The ranks that read different data, and the group tensor-parallel
@@ -189,16 +212,15 @@ concept engine = std::derived_from<E, EngineDefaults> &&
                    { ce.optimizer_parameters() } -> std::same_as<const std::vector<at::Tensor>&>;
                  };
 
-/// An engine whose optimizer state is cut over ranks, and says how.
+/// An engine whose optimizer state is cut over ranks (its shard_layout()
+/// says how).
 template <class E>
-concept sharded_engine = engine<E> && E::shards_optimizer_state && requires(const E& e) {
-  { e.shard_layout() } -> std::same_as<ShardLayout>;
-};
+concept sharded_engine = engine<E> && E::shards_optimizer_state;
 
-/// The check every engine passes where it is defined: the contract, and a
-/// shard layout exactly when it shards the optimizer state.
+/// The check every engine passes where it is defined: the contract, and
+/// nothing more can be derived from it (the `final` leaf that Trainer holds).
 template <class E>
-concept complete_engine = engine<E> && (E::shards_optimizer_state == sharded_engine<E>);
+concept complete_engine = engine<E> && std::is_final_v<E>;
 
 /// The customisation points of an engine that wraps `Inner`, forwarded to it.
 /// The wrapper constructs `inner_` and overrides what it changes.
@@ -208,23 +230,22 @@ class ForwardingEngine : public EngineDefaults {
   template <class... Args>
   explicit ForwardingEngine(Args&&... args) : inner_(std::forward<Args>(args)...) {}
 
+  // The checkpoint hooks (`override`: one whose signature changes there fails to compile here).
+  std::optional<ShardLayout> shard_layout() const override { return inner_.shard_layout(); }
+  const std::vector<at::Tensor>& optimizer_parameters() const override { return inner_.optimizer_parameters(); }
+  ModelPart model_part(const comm::Communicator& world) const override { return inner_.model_part(world); }
+  void gather_full_parameters() override { inner_.gather_full_parameters(); }
+  void release_full_parameters(FullParameters what) override { inner_.release_full_parameters(what); }
+  void parameters_loaded() override { inner_.parameters_loaded(); }
+  std::optional<ShardedParameters> sharded_parameters() const override { return inner_.sharded_parameters(); }
+  std::optional<ShardedParameters> held_shards() const override { return inner_.held_shards(); }
+
   void before_forward() { inner_.before_forward(); }
   void after_forward() { inner_.after_forward(); }
-  void gather_full_parameters() { inner_.gather_full_parameters(); }
-  void release_full_parameters(FullParameters what) { inner_.release_full_parameters(what); }
-  void parameters_loaded() { inner_.parameters_loaded(); }
-  std::optional<ShardedParameters> sharded_parameters() const { return inner_.sharded_parameters(); }
-  std::optional<ShardedParameters> held_shards() const { return inner_.held_shards(); }
   void unshard_permanently() { inner_.unshard_permanently(); }
   const std::vector<at::Tensor>& offloaded_parameters() const { return inner_.offloaded_parameters(); }
   const std::vector<at::Tensor>& device_shards() const { return inner_.device_shards(); }
   NormReduction norm_reduction() { return inner_.norm_reduction(); }
-  ModelPart model_part(const comm::Communicator& world) const { return inner_.model_part(world); }
-  ShardLayout shard_layout() const
-    requires sharded_engine<Inner>
-  {
-    return inner_.shard_layout();
-  }
 
   void prepare_optimizer(torch::optim::Optimizer& optimizer) { inner_.prepare_optimizer(optimizer); }
   void before_backward(const at::Tensor& loss) { inner_.before_backward(loss); }
@@ -232,7 +253,6 @@ class ForwardingEngine : public EngineDefaults {
   void after_optimizer_step() { inner_.after_optimizer_step(); }
   void set_gradient_sync(bool sync) { inner_.set_gradient_sync(sync); }
   void zero_grad(torch::optim::Optimizer& optimizer) { inner_.zero_grad(optimizer); }
-  const std::vector<at::Tensor>& optimizer_parameters() const { return inner_.optimizer_parameters(); }
 
  protected:
   Inner inner_;

@@ -49,7 +49,7 @@ struct HybridGroups {
   std::pair<comm::Communicator, comm::Communicator> groups;  // (shard group, replicate group)
 };
 
-class HybridShardEngine : private HybridGroups, public ForwardingEngine<ZeRO3Engine> {
+class HybridShardEngine final : private HybridGroups, public ForwardingEngine<ZeRO3Engine> {
   using inner_type = ZeRO3Engine;
   using forwarding = ForwardingEngine<inner_type>;
 
@@ -95,8 +95,8 @@ class HybridShardEngine : private HybridGroups, public ForwardingEngine<ZeRO3Eng
   }
 
   /// Shards are cut over the shard group; the first group's ranks write them.
-  ShardLayout shard_layout() const {
-    auto layout = this->inner_.shard_layout();
+  std::optional<ShardLayout> shard_layout() const override {
+    auto layout = this->inner_.layout();
     layout.writer = groups.second.rank() == 0;
     return layout;
   }

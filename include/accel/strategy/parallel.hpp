@@ -55,7 +55,7 @@ struct ParallelMesh {
 };
 
 template <class Data>
-class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Data::engine> {
+class ParallelEngine final : private ParallelMesh, public ForwardingEngine<typename Data::engine> {
  public:
   using settings_type = Parallel<Data>;
   using data_engine_type = typename Data::engine;
@@ -99,10 +99,10 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
   }
 
   /// Tensor and pipeline ranks hold different parts; data replicas the same.
-  ModelPart model_part(const comm::Communicator& world) const {
+  ModelPart model_part(const comm::Communicator& world) const override {
     const auto& m = mesh_;
     const int tensor = m.size(comm::MeshDim::tensor), pipeline = m.size(comm::MeshDim::pipeline);
-    if (tensor * pipeline == 1) return EngineDefaults::model_part(world);  // data parallel only: whole, as DDP's
+    if (tensor * pipeline == 1) return CheckpointHooks::model_part(world);  // data parallel only: whole, as DDP's
     return {m.coordinate(comm::MeshDim::tensor) + tensor * m.coordinate(comm::MeshDim::pipeline), tensor * pipeline,
             m.coordinate(comm::MeshDim::data) == 0,
             "tensor " + std::to_string(tensor) + " x pipeline " + std::to_string(pipeline) +
@@ -161,7 +161,7 @@ class ParallelEngine : private ParallelMesh, public ForwardingEngine<typename Da
     std::vector<at::Tensor> masks;
     if constexpr (shards_optimizer_state) {
       if (settings_.tensor > 1) {
-        const auto layout = this->inner_.shard_layout();
+        const auto layout = *this->inner_.shard_layout();
         masks = this->inner_.shard_masks(counted, layout.count, layout.rank);
       }
     } else {

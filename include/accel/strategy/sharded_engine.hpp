@@ -28,7 +28,8 @@ class ShardedEngineBase : public BucketedEngineBase {
   const std::vector<at::Tensor>& offloaded_parameters() const { return offload_.parameters(); }
 
   /// Rank r holds shard r of every bucket (NOTE [ZeRO shards]).
-  ShardLayout shard_layout() const { return {state_->comm->size(), state_->comm->rank(), true, bucket_numels()}; }
+  std::optional<ShardLayout> shard_layout() const override { return layout(); }
+  ShardLayout layout() const { return {state_->comm->size(), state_->comm->rank(), true, bucket_numels()}; }
   /// Each rank holds a shard of the gradients the optimizer sees.
   NormReduction norm_reduction() { return {state_->comm, {}}; }
 

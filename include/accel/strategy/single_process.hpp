@@ -15,7 +15,7 @@
 
 namespace accel::strategy {
 
-class SingleProcessEngine : public EngineDefaults {
+class SingleProcessEngine final : public EngineDefaults {
  public:
   using settings_type = SingleProcess;
 
@@ -36,7 +36,7 @@ class SingleProcessEngine : public EngineDefaults {
   void after_optimizer_step() {}
   void set_gradient_sync(bool) {}
   void zero_grad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
-  const std::vector<at::Tensor>& optimizer_parameters() const { return params_; }
+  const std::vector<at::Tensor>& optimizer_parameters() const override { return params_; }
 
  private:
   std::vector<at::Tensor> params_;

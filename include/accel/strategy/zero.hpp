@@ -46,7 +46,7 @@ namespace accel::strategy {
 // Stages 1 and 2 only: ZeRO<3>'s engine is ZeRO3Engine (strategy/zero3.hpp),
 // a class of its own, so no program can run this code for stage 3.
 template <int Stage>
-class ZeROEngine : public ShardedEngineBase {
+class ZeROEngine final : public ShardedEngineBase {
   static_assert(Stage == 1 || Stage == 2,
                 "accel: ZeROEngine is the engine of ZeRO<1> and ZeRO<2>; ZeRO<3>'s is ZeRO3Engine, in "
                 "<accel/strategy/zero3.hpp>");
@@ -156,12 +156,12 @@ class ZeROEngine : public ShardedEngineBase {
 
   /// The tensors the optimizer steps: this rank's shard of each bucket (or
   /// their host twins under cpu_offload).
-  const std::vector<at::Tensor>& optimizer_parameters() const { return stepped(shards_); }
+  const std::vector<at::Tensor>& optimizer_parameters() const override { return stepped(shards_); }
   /// This rank's parameter shards in device memory (the optimizer's own
   /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
   const std::vector<at::Tensor>& device_shards() const { return shards_; }
   /// A checkpoint was loaded into the model: the host twins take it over.
-  void parameters_loaded() {
+  void parameters_loaded() override {
     if (offload_.enabled()) offload_.parameters_from_device(shards_);
   }
 

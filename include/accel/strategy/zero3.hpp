@@ -273,7 +273,7 @@ inline std::unique_ptr<at::ObserverContext> zero3_observe(const at::RecordFuncti
 
 }  // namespace detail
 
-class ZeRO3Engine : public ShardedEngineBase {
+class ZeRO3Engine final : public ShardedEngineBase {
  public:
   using settings_type = ZeRO<3>;
 
@@ -464,31 +464,31 @@ class ZeRO3Engine : public ShardedEngineBase {
 
   /// The tensors the optimizer steps: this rank's shards, or their host
   /// twins under cpu_offload (NOTE [CPU offload]).
-  const std::vector<at::Tensor>& optimizer_parameters() const { return stepped(z3_->shards); }
+  const std::vector<at::Tensor>& optimizer_parameters() const override { return stepped(z3_->shards); }
   /// This rank's parameter shards in device memory (the optimizer's own
   /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
   const std::vector<at::Tensor>& device_shards() const { return z3_->shards; }
-  void parameters_loaded() {
+  void parameters_loaded() override {
     z3_->reshard_all();  // a full parameter buffer gathered before the load holds the old values
     if (offload_.enabled()) offload_.parameters_from_device(z3_->shards);
   }
   /// Under SHARDED_STATE_DICT a checkpoint holds this rank's shards
   /// (NOTE [Sharded checkpoints]); a load writes into them.
-  std::optional<ShardedParameters> sharded_parameters() const {
+  std::optional<ShardedParameters> sharded_parameters() const override {
     if (settings_.state_dict_type != StateDictType::SHARDED_STATE_DICT) return std::nullopt;
     return held_shards();
   }
-  std::optional<ShardedParameters> held_shards() const { return ShardedParameters{flat_buckets(), z3_->shards, model_}; }
+  std::optional<ShardedParameters> held_shards() const override { return ShardedParameters{flat_buckets(), z3_->shards, model_}; }
 
   /// Checkpoints: every unit gathered (all ranks call it), then released;
   /// after a load, each rank's shards are taken from the loaded parameters.
-  void gather_full_parameters() {
+  void gather_full_parameters() override {
     z3_->rethrow_failure();
     detail::BusyScope busy;
     for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->unshard_now(u);
     z3_->held = true;
   }
-  void release_full_parameters(FullParameters what) {
+  void release_full_parameters(FullParameters what) override {
     auto& z = *z3_;
     detail::BusyScope busy;
     z.held = false;
