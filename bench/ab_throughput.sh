@@ -9,6 +9,8 @@
 #        ninja -C /tmp/head/build bench/ddp_throughput &&
 #        bash bench/ab_throughput.sh /tmp/head/build build 5 "ddp zero2 zero3"
 # Each build must hold bench/ddp_throughput; build B's tools/accel launches both.
+# Environment: RANKS (default 2), ARGS (more ddp_throughput flags, e.g.
+# "--shard_group_size 2" for hybrid on RANKS=4).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 a="$1"; b="$2"; rounds="${3:-5}"; strategies="${4:-ddp zero2}"
@@ -19,8 +21,9 @@ for prog in "$a/bench/ddp_throughput" "$b/bench/ddp_throughput" "$launcher"; do
 done
 log="$(mktemp -d)"; trap 'rm -rf "$log"' EXIT
 rate() {  # global samples/s of one run of build $1 with strategy $2
-  "$launcher" launch -q --num_processes 2 --timeout 300 "$1/bench/ddp_throughput" --strategy "$2" --optimizer adam \
-    --steps 40 --warmup 5 --phases 0 > "$log/out" 2>&1 || { cat "$log/out" >&2; exit 1; }
+  # shellcheck disable=SC2086  # ARGS: several flags
+  "$launcher" launch -q --num_processes "${RANKS:-2}" --timeout 300 "$1/bench/ddp_throughput" --strategy "$2" \
+    --optimizer adam --steps 40 --warmup 5 --phases 0 ${ARGS:-} > "$log/out" 2>&1 || { cat "$log/out" >&2; exit 1; }
   grep -o "RESULT .*" "$log/out" | tail -1 | grep -o "global_samples_per_s=[0-9.]*" | cut -d= -f2
 }
 for strategy in $strategies; do

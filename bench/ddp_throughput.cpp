@@ -17,7 +17,9 @@
 //   --comm_probe K           afterwards, K rounds of the same bucket all-reduces
 //                            without any compute (communication floor)
 //   --tag NAME               label on the RESULT line (default accel_<strategy>)
-//   --strategy ddp|zero1|zero2|zero3   Trainer<DDP> (default), Trainer<ZeRO<1|2|3>> (zero3: size-based units, --min_num_params)
+//   --strategy ddp|zero1|zero2|zero3|hybrid   Trainer<DDP> (default), Trainer<ZeRO<1|2|3>> (zero3: size-based units,
+//                            --min_num_params), Trainer<HybridShard> (ZeRO-3's units, within shard groups of
+//                            --shard_group_size ranks; default 0: LOCAL_WORLD_SIZE, HybridShard's own default)
 //   --optimizer sgd|adam     SGD(lr=0.01) (default) or Adam(lr=1e-3)
 //   --cpu_offload 1          ZeRO strategies: the optimizer steps host twins (NOTE [CPU offload]);
 //                            on a CPU device this measures the offload path's copies alone
@@ -141,6 +143,13 @@ void report(const accel::bench::CaseResult& r, const std::string& tag) {
 
 }  // namespace
 
+// The bucket, offload and unit settings: HybridShard's are those of its ZeRO<3>.
+template <class Strategy>
+auto& sharding_settings(Strategy& settings) {
+  if constexpr (std::is_same_v<Strategy, accel::HybridShard>) return settings.zero;
+  else return settings;
+}
+
 template <class Strategy>
 int run(int argc, char** argv, const std::string& strategy_name) {
   const int steps = std::stoi(flag(argc, argv, "steps", "60"));
@@ -158,20 +167,23 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   }
 
   Strategy settings;
-  settings.bucket_cap_mb = std::stod(flag(argc, argv, "bucket_cap_mb", std::to_string(settings.bucket_cap_mb)));
-  settings.first_bucket_cap_mb =
-      std::stod(flag(argc, argv, "first_bucket_cap_mb", std::to_string(settings.first_bucket_cap_mb)));
+  auto& sharding = sharding_settings(settings);
+  sharding.bucket_cap_mb = std::stod(flag(argc, argv, "bucket_cap_mb", std::to_string(sharding.bucket_cap_mb)));
+  sharding.first_bucket_cap_mb =
+      std::stod(flag(argc, argv, "first_bucket_cap_mb", std::to_string(sharding.first_bucket_cap_mb)));
 
   if constexpr (std::is_same_v<Strategy, accel::DDP>) {
     const std::string hook = flag(argc, argv, "comm_hook", "none");
     settings.comm_hook = hook == "fp16" ? accel::CommHook::fp16 : hook == "bf16" ? accel::CommHook::bf16 : accel::CommHook::none;
   }
-  if constexpr (requires { settings.cpu_offload; }) settings.cpu_offload = flag(argc, argv, "cpu_offload", "0") == "1";
-  if constexpr (std::is_same_v<Strategy, accel::ZeRO<3>>) {
+  if constexpr (requires { sharding.cpu_offload; }) sharding.cpu_offload = flag(argc, argv, "cpu_offload", "0") == "1";
+  if constexpr (std::is_same_v<decltype(sharding), accel::ZeRO<3>&>) {
     // One unit per large layer (each 1024x1024 Linear), as FSDP's size-based wrap would.
-    settings.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP;
-    settings.min_num_params = std::stoll(flag(argc, argv, "min_num_params", "500000"));
+    sharding.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP;
+    sharding.min_num_params = std::stoll(flag(argc, argv, "min_num_params", "500000"));
   }
+  if constexpr (std::is_same_v<Strategy, accel::HybridShard>)
+    settings.shard_group_size = std::stoi(flag(argc, argv, "shard_group_size", "0"));
   // Synthetic data, different on every rank (as a sharded loader would give).
   std::vector<bench::Batch> batches;
   auto make_optimizer = [&](std::vector<at::Tensor> parameters) -> std::unique_ptr<torch::optim::Optimizer> {
@@ -214,15 +226,19 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   torch::optim::Optimizer& optimizer = *optimizer_owner;
   trainer.prepare(model, optimizer);
   auto& engine = trainer.strategy_engine();
+  auto& bucketed = [&]() -> auto& {  // HybridShard's buckets are its shard group's ZeRO-3's
+    if constexpr (std::is_same_v<Strategy, accel::HybridShard>) return engine.shard_engine();
+    else return engine;
+  }();
 
   // Bucket layout, as the engine built it.
   std::map<std::string, std::int64_t> numel_of;
   for (auto& item : model->named_parameters()) numel_of[item.key()] = item.value().numel();
   std::vector<std::int64_t> bucket_numel;
   std::ostringstream layout;
-  for (std::size_t b = 0; b < engine.bucket_count(); ++b) {
+  for (std::size_t b = 0; b < bucketed.bucket_count(); ++b) {
     std::int64_t n = 0;
-    for (auto& name : engine.bucket_parameters(b)) n += numel_of.at(name);
+    for (auto& name : bucketed.bucket_parameters(b)) n += numel_of.at(name);
     bucket_numel.push_back(n);
     char buf[64];
     std::snprintf(buf, sizeof buf, "%s%.2f", b ? " " : "", n * 4.0 / (1024.0 * 1024.0));
@@ -230,7 +246,7 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   }
   trainer.print("strategy", strategy_name, "optimizer", optimizer_name, "| model", model->parameters().size(),
                 "tensors, buckets (MiB):", layout.str(), "| bucket_cap_mb",
-                settings.bucket_cap_mb, "first_bucket_cap_mb", settings.first_bucket_cap_mb);
+                sharding.bucket_cap_mb, "first_bucket_cap_mb", sharding.first_bucket_cap_mb);
 
   std::vector<double> t_fwd, t_bwd, t_sync, t_opt, t_gather, t_zero, t_total;
   auto run_step = [&](int i, bool record) {
@@ -349,8 +365,9 @@ int main(int argc, char** argv) {
   else if (strategy == "zero1") status = run<accel::ZeRO<1>>(argc, argv, strategy);
   else if (strategy == "zero2") status = run<accel::ZeRO<2>>(argc, argv, strategy);
   else if (strategy == "zero3") status = run<accel::ZeRO<3>>(argc, argv, strategy);
+  else if (strategy == "hybrid") status = run<accel::HybridShard>(argc, argv, strategy);
   else
-    std::fprintf(stderr, "ddp_throughput: --strategy must be ddp, zero1, zero2 or zero3, got '%s'\n",
+    std::fprintf(stderr, "ddp_throughput: --strategy must be ddp, zero1, zero2, zero3 or hybrid, got '%s'\n",
                  strategy.c_str());
   if (counter) {
     const char* rank = std::getenv("RANK");

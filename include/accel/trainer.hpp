@@ -785,6 +785,18 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     return total;
   }
 
+  /// Host memory the engines keep for their step's buffers and no tensor
+  /// uses now (NOTE [Buffers that live as long as the engine] in
+  /// <accel/device/buffer_pool.hpp>): ZeRO-3 (and HybridShard) keep their
+  /// gathered units, full gradient buckets and Gloo's receive buffers between
+  /// steps instead of freeing them; the other strategies none. Between steps,
+  /// what a rank holds is model_state_bytes() plus this.
+  std::int64_t idle_buffer_bytes() const {
+    std::int64_t total = 0;
+    for (const auto& engine : engines_) total += engine->idle_buffer_bytes();
+    return total;
+  }
+
   /// Accelerate's unwrap_model: the prepared models, whole, on every rank. A
   /// no-op for strategies that never split them; under ZeRO<3> it gathers the
   /// parameters for good and ends sharded training (every rank must call it).

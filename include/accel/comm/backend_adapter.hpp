@@ -21,6 +21,10 @@
 #include "accel/compat/torch_compat.hpp"
 #include "accel/core/compiled_once.hpp"
 
+namespace accel::device {
+class BufferPool;
+}
+
 namespace c10d {
 class Store;
 }
@@ -71,10 +75,11 @@ class BackendAdapter {
 
   /// Starts the reduce-scatter (sum) of `rows` into `shard`
   /// (comm::reduce_scatter_rows_async documents the contract); `received`
-  /// is filled where the sum is finished locally (finish_reduce_scatter_rows).
+  /// is filled where the sum is finished locally (finish_reduce_scatter_rows),
+  /// from `scratch` when there is one.
   virtual Pending reduce_scatter_rows_async(Communicator& comm, at::Tensor& shard, at::Tensor& rows,
-                                            at::Tensor& received, const at::Tensor& counted,
-                                            std::string what) const = 0;
+                                            at::Tensor& received, const at::Tensor& counted, std::string what,
+                                            device::BufferPool* scratch) const = 0;
 
   /// Whether reduce_scatter_rows_async writes over its `rows`.
   virtual bool overwrites_rows() const = 0;

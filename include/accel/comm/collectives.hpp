@@ -87,14 +87,16 @@ inline at::Tensor unpad_rows(const at::Tensor& rows, std::int64_t total, int wor
 /// `shard` and the others' move down over it) and `received` is filled there
 /// with the other ranks' rows for this rank, (n-1) x shard; NCCL leaves both
 /// alone. Counted (and in debug mode checked) as one reduce-scatter of
-/// `counted`, the caller's whole input. One rank: a copy.
+/// `counted`, the caller's whole input. One rank: a copy. `received` comes
+/// from `scratch` where one is given (the engine's pool), else is allocated.
 inline Pending reduce_scatter_rows_async(Communicator& comm, at::Tensor& shard, at::Tensor& rows,
-                                         at::Tensor& received, const at::Tensor& counted, std::string what) {
+                                         at::Tensor& received, const at::Tensor& counted, std::string what,
+                                         device::BufferPool* scratch = nullptr) {
   if (!comm.distributed()) {
     shard.copy_(rows);
     return {};
   }
-  return comm.adapter().reduce_scatter_rows_async(comm, shard, rows, received, counted, std::move(what));
+  return comm.adapter().reduce_scatter_rows_async(comm, shard, rows, received, counted, std::move(what), scratch);
 }
 
 /// Completes reduce_scatter_rows_async after its wait: adds the other ranks'

@@ -30,7 +30,8 @@ class GlooAdapter final : public BackendAdapter {
   Route route(Carried what, const at::Tensor& tensor) const override;
   at::Tensor on_wire(const at::Tensor& host) const override { return host; }
   Pending reduce_scatter_rows_async(Communicator& comm, at::Tensor& shard, at::Tensor& rows, at::Tensor& received,
-                                    const at::Tensor& counted, std::string what) const override;
+                                    const at::Tensor& counted, std::string what,
+                                    device::BufferPool* scratch) const override;
   bool overwrites_rows() const override { return true; }
   std::vector<Pending> all_gather_rows_async(Communicator& comm, at::Tensor& rows,
                                              const std::string& what) const override;
@@ -55,6 +56,7 @@ class GlooAdapter final : public BackendAdapter {
 #include "accel/comm/address.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/rendezvous.hpp"
+#include "accel/device/buffer_pool.hpp"
 
 namespace accel::comm {
 // ACCEL_COMPILED_ONCE_DEFINITIONS
@@ -78,15 +80,15 @@ ACCEL_COMPILED_ONCE Route GlooAdapter::route(Carried what, const at::Tensor& ten
 
 ACCEL_COMPILED_ONCE Pending GlooAdapter::reduce_scatter_rows_async(Communicator& comm, at::Tensor& shard,
                                                                    at::Tensor& rows, at::Tensor& received,
-                                                                   const at::Tensor& counted,
-                                                                   std::string what) const {
+                                                                   const at::Tensor& counted, std::string what,
+                                                                   device::BufferPool* scratch) const {
   const int n = comm.size(), r = comm.rank();
   const std::int64_t len = shard.numel();
   c10::NoGradGuard no_grad;
   shard.copy_(rows.narrow(0, r * len, len));
   for (int j = r + 1; j < n; ++j) rows.narrow(0, (j - 1) * len, len).copy_(rows.narrow(0, j * len, len));
   at::Tensor others = rows.narrow(0, 0, (n - 1) * len);  // (n-1) x (len,): the rows for ranks != r, in rank order
-  received = at::empty_like(others);
+  received = scratch != nullptr ? scratch->empty(others.numel(), others.options()) : at::empty_like(others);
   return comm.all_to_all_others_async(received, others, std::move(what), Collective::reduce_scatter, counted);
 }
 

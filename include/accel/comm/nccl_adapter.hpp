@@ -24,7 +24,8 @@ class NcclAdapter final : public BackendAdapter {
   }
   at::Tensor on_wire(const at::Tensor& host) const override { return host.to(at::Device(at::kCUDA)); }
   Pending reduce_scatter_rows_async(Communicator& comm, at::Tensor& shard, at::Tensor& rows, at::Tensor& received,
-                                    const at::Tensor& counted, std::string what) const override;
+                                    const at::Tensor& counted, std::string what,
+                                    device::BufferPool* scratch) const override;
   bool overwrites_rows() const override { return false; }
   std::vector<Pending> all_gather_rows_async(Communicator& comm, at::Tensor& rows,
                                              const std::string& what) const override;
@@ -57,7 +58,7 @@ ACCEL_COMPILED_ONCE auto NcclAdapter::connect(c10::intrusive_ptr<c10d::Store> st
 
 ACCEL_COMPILED_ONCE Pending NcclAdapter::reduce_scatter_rows_async(Communicator& comm, at::Tensor& shard,
                                                                    at::Tensor& rows, at::Tensor&, const at::Tensor&,
-                                                                   std::string what) const {
+                                                                   std::string what, device::BufferPool*) const {
   return comm.reduce_scatter_base_async(shard, rows, std::move(what));
 }
 

@@ -21,7 +21,8 @@
 // reduce-scatter waited for and their full gradients dropped. A bucket's
 // collective thus overlaps the backward up to the next bucket's first
 // gradient, and the full gradients of one bucket (and one in flight) exist
-// at a time, not the model's.
+// at a time, not the model's. ZeRO-3's come from the engine's BufferPool
+// (NOTE [Buffers that live as long as the engine]).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
@@ -47,6 +48,7 @@
 #include "accel/comm/communicator.hpp"
 #include "accel/compat/torch_compat.hpp"
 #include "accel/core/compiled_once.hpp"
+#include "accel/device/buffer_pool.hpp"
 #include "accel/strategy/autograd_graph.hpp"
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/engine.hpp"
@@ -73,6 +75,10 @@ struct BucketSettings {
   /// ZeRO-2/3: a bucket's full-size gradients exist only from its first
   /// gradient until its reduce-scatter has landed (NOTE [Gradient buckets]).
   bool lazy_gradients = false;
+  /// ZeRO-3: the step's host buffers (full gradients, Gloo's receive
+  /// buffers; and the engine's gathered units) come from the engine's pool
+  /// and stay there between steps (NOTE [Buffers that live as long as the engine]).
+  bool keep_step_buffers = false;
 };
 
 namespace detail {
@@ -99,6 +105,8 @@ class GradientBuckets {
   std::vector<std::size_t> bucket_of;
   std::vector<char> ready;
   std::vector<Bucket> buckets;
+  device::BufferPool pool;  // settings.keep_step_buffers: the buffers each step takes and gives back
+  device::BufferPool* step_buffers() { return settings.keep_step_buffers ? &pool : nullptr; }
   std::size_t next_to_launch = 0;
   bool sync = true;  // false on the non-final micro-steps of gradient accumulation (no_sync)
   bool record = false;
@@ -200,6 +208,8 @@ class BucketedEngineBase : public EngineDefaults {
   /// buckets without communicating (DDP's no_sync).
   void set_gradient_sync(bool sync) { state_->sync = sync; }
 
+  std::int64_t idle_buffer_bytes() const { return state_->pool.idle_bytes(); }
+
   /// Waits for every bucket's collective in bucket order, running
   /// `after(b)` once bucket b's has landed, then readies the next backward.
   template <class AfterWait>
@@ -290,7 +300,8 @@ class BucketedEngineBase : public EngineDefaults {
     auto& grad = state_->buckets[b].grad;
     if (landing_.size() < state_->buckets.size()) landing_.resize(state_->buckets.size());
     landing_[b] = shards_hold_reduced_ ? at::zeros_like(shard) : shard;
-    return comm::reduce_scatter_rows_async(*state_->comm, landing_[b], grad, received, grad, std::move(what));
+    return comm::reduce_scatter_rows_async(*state_->comm, landing_[b], grad, received, grad, std::move(what),
+                                           state_->step_buffers());
   }
 
   /// Idempotent: the retire and wait paths may both reach a bucket, and a
@@ -533,7 +544,8 @@ ACCEL_COMPILED_ONCE void detail::GradientBuckets::attach_grad_views(std::size_t 
   auto& bucket = buckets[b];
   if (!bucket.grad.defined()) {
     if (settings.lazy_gradients && before_allocating) before_allocating();
-    bucket.grad = at::zeros({bucket.padded}, params[bucket.params.front()].options().requires_grad(false));
+    const auto options = params[bucket.params.front()].options().requires_grad(false);
+    bucket.grad = settings.keep_step_buffers ? pool.empty(bucket.padded, options).zero_() : at::zeros({bucket.padded}, options);
   }
   for (std::size_t k = 0; k < bucket.params.size(); ++k) {
     const auto i = bucket.params[k];

@@ -18,7 +18,8 @@
 //     to reshard), the model part this rank holds, the full-parameter life
 //     cycle, a sharded checkpoint's parameters, optimizer_parameters.
 //   Customisation points, with the defaults EngineDefaults documents below:
-//     forward hooks, the groups of a mesh, gradient-norm reduction,
+//     forward hooks, the groups of a mesh, gradient-norm reduction, the idle
+//     step buffers,
 //     the pipelined step, cpu_offload's host tensors.
 // An engine that wraps another (HybridShard around ZeRO-3, Parallel around
 // its data engine) derives from ForwardingEngine, which forwards the inner
@@ -177,6 +178,9 @@ class EngineDefaults : public CheckpointHooks {
   const std::vector<at::Tensor>& device_shards() const { return none(); }
   /// Default: the local gradient norm is the global one.
   NormReduction norm_reduction() { return {}; }
+  /// Host memory kept for the step's buffers and unused now (NOTE [Buffers
+  /// that live as long as the engine]). Default: none kept.
+  std::int64_t idle_buffer_bytes() const { return 0; }
   /// The ranks that read different data, and the group tensor-parallel
   /// layers use (nullptr: the world, and one rank).
   comm::Communicator* data_group() { return nullptr; }
@@ -246,6 +250,7 @@ class ForwardingEngine : public EngineDefaults {
   const std::vector<at::Tensor>& offloaded_parameters() const { return inner_.offloaded_parameters(); }
   const std::vector<at::Tensor>& device_shards() const { return inner_.device_shards(); }
   NormReduction norm_reduction() { return inner_.norm_reduction(); }
+  std::int64_t idle_buffer_bytes() const { return inner_.idle_buffer_bytes(); }
 
   void prepare_optimizer(torch::optim::Optimizer& optimizer) { inner_.prepare_optimizer(optimizer); }
   void before_backward(const at::Tensor& loss) { inner_.before_backward(loss); }

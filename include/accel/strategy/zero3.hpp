@@ -66,15 +66,17 @@ namespace accel::strategy {
 namespace detail {
 
 // Frees (nbytes 0) or re-allocates a buffer's memory through the allocator it
-// came from; the tensors viewing it keep their shapes. New memory is not
-// initialised: it is always overwritten by an all-gather.
-inline void set_storage_bytes(c10::StorageImpl* storage, std::size_t nbytes) {
+// came from (through `pool`, which keeps it for the next use, when given);
+// the tensors viewing it keep their shapes. New memory is not initialised:
+// it is always overwritten by an all-gather.
+inline void set_storage_bytes(c10::StorageImpl* storage, std::size_t nbytes, device::BufferPool* pool = nullptr) {
   if (nbytes == 0) {
     storage->set_data_ptr_noswap(c10::DataPtr(nullptr, storage->device()));
   } else {
     if (storage->allocator() == nullptr)
       throw std::logic_error("accel ZeRO<3>: a parameter buffer without an allocator cannot be re-allocated");
-    storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+    storage->set_data_ptr_noswap(pool != nullptr ? pool->allocate(nbytes, storage->allocator(), storage->device())
+                                                 : storage->allocator()->allocate(nbytes));
   }
   storage->set_nbytes(nbytes);
 }
@@ -109,6 +111,7 @@ struct ShardedUnit {
 class ZeRO3State {
  public:
   comm::Communicator* comm = nullptr;
+  device::BufferPool* pool = nullptr;    // the engine's (NOTE [Buffers that live as long as the engine])
   std::atomic<std::thread::id> owner{};  // the thread that trains (see NOTE above)
   std::vector<at::Tensor> flat;    // per bucket: (padded,) full parameters, storage freed between uses
   std::vector<at::Tensor> shards;  // per bucket: (shard,) this rank's parameters, own storage
@@ -124,16 +127,15 @@ class ZeRO3State {
 
   std::size_t bytes(std::size_t b) const { return static_cast<std::size_t>(flat[b].numel() * flat[b].element_size()); }
 
-  /// sharded -> unsharding: starts the unit's all-gathers.
-  void unshard(std::size_t u) {
+  /// sharded -> unsharding: starts the unit's all-gathers, into the
+  /// engine's pool (a step's gathers) or memory of their own (`for_good`:
+  /// checkpoints and unwrap_model, which must not grow the pool).
+  void unshard(std::size_t u, bool for_good = false) {
     auto& unit = units[u];
     if (unit.state != UnitState::sharded) return;
     unit.state = UnitState::unsharding;
     for (auto b : unit.buckets) {
-      set_storage_bytes(flat[b].storage().unsafeGetStorageImpl(), bytes(b));
-      // A separate tensor on the same storage: writing through it leaves
-      // the parameters' version counters (checked by autograd) untouched.
-      auto target = at::empty({0}, flat[b].options()).set_(flat[b].storage(), 0, {flat[b].numel()}, {1});
+      auto target = full_buffer(b, for_good);
       // In place: this rank's row of the unit first, then the others'
       // gathered into theirs, nothing staged beside the unit (one rank: its
       // row is the whole bucket, and there is nothing to gather).
@@ -154,8 +156,8 @@ class ZeRO3State {
   }
 
   /// Whatever the state, unsharded on return.
-  void unshard_now(std::size_t u) {
-    unshard(u);
+  void unshard_now(std::size_t u, bool for_good = false) {
+    unshard(u, for_good);
     wait_for_unshard(u);
   }
 
@@ -215,12 +217,17 @@ class ZeRO3State {
   void make_readable(std::size_t u) {
     auto& unit = units[u];
     if (unit.state == UnitState::unsharded) return;
-    for (auto b : unit.buckets) {
-      auto* storage = flat[b].storage().unsafeGetStorageImpl();
-      if (storage->nbytes() != bytes(b)) set_storage_bytes(storage, bytes(b));
-      at::empty({0}, flat[b].options()).set_(flat[b].storage(), 0, {flat[b].numel()}, {1}).zero_();
-    }
+    for (auto b : unit.buckets) full_buffer(b).zero_();
     unit.state = UnitState::unsharded;
+  }
+
+  // Bucket b's full buffer given memory (a sharded unit's has none), as a
+  // separate tensor on the parameters' storage: writing through it leaves
+  // their version counters (checked by autograd) untouched.
+  at::Tensor full_buffer(std::size_t b, bool for_good = false) {
+    auto* storage = flat[b].storage().unsafeGetStorageImpl();
+    if (storage->nbytes() != bytes(b)) set_storage_bytes(storage, bytes(b), for_good ? nullptr : pool);
+    return at::empty({0}, flat[b].options()).set_(flat[b].storage(), 0, {flat[b].numel()}, {1});
   }
 };
 
@@ -282,7 +289,8 @@ class ZeRO3Engine final : public ShardedEngineBase {
                                           .pad_to_multiple = comm.size(),
                                           .strategy_name = "ZeRO<3>",
                                           .size_capped = false,
-                                          .lazy_gradients = true},
+                                          .lazy_gradients = true,
+                                          .keep_step_buffers = true},
                           comm, settings.cpu_offload),
         settings_(settings),
         z3_(std::make_shared<detail::ZeRO3State>()) {
@@ -295,6 +303,7 @@ class ZeRO3Engine final : public ShardedEngineBase {
     static_assert(complete_engine<ZeRO3Engine>);
     check_unit_checkpointing(settings, state_->settings.strategy_name);
     z3_->comm = &comm;
+    z3_->pool = &state_->pool;
     z3_->reshard_after_forward = settings.reshard_after_forward;
     state_->launch = [this](std::size_t b) { launch(b); };
     state_->before_allocating = [this] { retire_launched(); };
@@ -327,6 +336,10 @@ class ZeRO3Engine final : public ShardedEngineBase {
   void unshard_permanently() {
     if (detached_) return;
     z3_->rethrow_failure();
+    {
+      detail::BusyScope busy;
+      z3_->reshard_all();  // a unit gathered into the pool (mid-step) is gathered again into memory of its own
+    }
     gather_full_parameters();
     stop_observing();
     detached_ = true;
@@ -485,7 +498,7 @@ class ZeRO3Engine final : public ShardedEngineBase {
   void gather_full_parameters() override {
     z3_->rethrow_failure();
     detail::BusyScope busy;
-    for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->unshard_now(u);
+    for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->unshard_now(u, /*for_good=*/true);
     z3_->held = true;
   }
   void release_full_parameters(FullParameters what) override {
