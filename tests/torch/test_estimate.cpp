@@ -313,7 +313,7 @@ TEST_SUITE("estimate") {
         require(m.between >= held + m.buffers && m.between - held - m.buffers <= 4096,
                 name + ": between steps " + std::to_string(m.between) + " bytes allocated, model_state_bytes " +
                     std::to_string(held) + ", idle step buffers " + std::to_string(m.buffers));
-        // The engine keeps a step's buffers (a sharding engine's full
+        // ZeRO-3 keeps a step's buffers (its full
         // gradients, gathered units, Gloo's receive buffers) and takes them
         // again: the next step allocates none beside them.
         require(m.buffers_after_next_step == m.buffers,

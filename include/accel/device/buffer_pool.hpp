@@ -49,7 +49,6 @@ class BufferPool {
   struct Shared {
     std::mutex mutex;
     bool open = true;
-    std::int64_t held = 0;  // every block the pool owns, in use or idle
     std::int64_t idle = 0;  // the blocks no tensor uses now
     std::map<c10::Allocator*, std::multimap<std::size_t, std::unique_ptr<Block>>> idle_blocks;  // by size
   };
@@ -61,7 +60,7 @@ class BufferPool {
     std::lock_guard lock(shared_->mutex);
     shared_->open = false;
     shared_->idle_blocks.clear();
-    shared_->held = shared_->idle = 0;
+    shared_->idle = 0;
   }
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
@@ -82,11 +81,7 @@ class BufferPool {
         shared_->idle -= static_cast<std::int64_t>(block->bytes);
       }
     }
-    if (!block) {
-      block = std::make_unique<Block>(Block{allocator->allocate(bytes), bytes, allocator, shared_});
-      std::lock_guard lock(shared_->mutex);
-      shared_->held += static_cast<std::int64_t>(bytes);
-    }
+    if (!block) block = std::make_unique<Block>(Block{allocator->allocate(bytes), bytes, allocator, shared_});
     void* data = block->memory.get();
     return {data, block.release(), &give_back, device};
   }
@@ -101,13 +96,8 @@ class BufferPool {
     return at::empty({0}, options).set_(storage, 0, {numel}, {1});
   }
 
-  /// Bytes of every block the pool owns, in use or idle.
-  std::int64_t held_bytes() const {
-    std::lock_guard lock(shared_->mutex);
-    return shared_->held;
-  }
   /// Bytes of the blocks no tensor uses now: what the pool keeps beyond the
-  /// tensors that hold its memory (between ZeRO-2/3 steps, all of it).
+  /// tensors that hold its memory (between ZeRO-3 steps, all of it).
   std::int64_t idle_bytes() const {
     std::lock_guard lock(shared_->mutex);
     return shared_->idle;

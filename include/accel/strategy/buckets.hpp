@@ -545,7 +545,8 @@ ACCEL_COMPILED_ONCE void detail::GradientBuckets::attach_grad_views(std::size_t 
   if (!bucket.grad.defined()) {
     if (settings.lazy_gradients && before_allocating) before_allocating();
     const auto options = params[bucket.params.front()].options().requires_grad(false);
-    bucket.grad = settings.keep_step_buffers ? pool.empty(bucket.padded, options).zero_() : at::zeros({bucket.padded}, options);
+    auto* kept = step_buffers();
+    bucket.grad = kept != nullptr ? kept->empty(bucket.padded, options).zero_() : at::zeros({bucket.padded}, options);
   }
   for (std::size_t k = 0; k < bucket.params.size(); ++k) {
     const auto i = bucket.params[k];

@@ -303,7 +303,7 @@ class ZeRO3Engine final : public ShardedEngineBase {
     static_assert(complete_engine<ZeRO3Engine>);
     check_unit_checkpointing(settings, state_->settings.strategy_name);
     z3_->comm = &comm;
-    z3_->pool = &state_->pool;
+    z3_->pool = state_->step_buffers();
     z3_->reshard_after_forward = settings.reshard_after_forward;
     state_->launch = [this](std::size_t b) { launch(b); };
     state_->before_allocating = [this] { retire_launched(); };
