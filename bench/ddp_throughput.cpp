@@ -26,7 +26,8 @@
 //   --memory 1               every rank prints, for the whole run (prepare included), the most host
 //                            memory LibTorch had allocated at once (counted at the allocator), its
 //                            peak resident set (VmHWM: that, the process's own memory and what the C
-//                            library kept) and the activations' estimate (bench/memory_peaks.sh: the table)
+//                            library kept) and the activations' estimate (bench/memory_peaks.sh: the table);
+//                            with --phases, also the allocated peak within each phase (where a peak is reached)
 //   --return_host_memory 1   freed host blocks over 1 MiB go back to the system (NOTE [Returning host
 //                            memory], TrainerOptions::return_host_memory)
 //   --build_on_meta 1        zero3: the model built on the meta device, each rank computing only its
@@ -150,6 +151,10 @@ auto& sharding_settings(Strategy& settings) {
   else return settings;
 }
 
+// --memory 1's counter, when installed (the phase split reads its peak per phase)
+accel::device::HostAllocationCounter* memory_counter = nullptr;
+std::int64_t whole_run_peak = 0;  // the counter's peak before each per-phase reset
+
 template <class Strategy>
 int run(int argc, char** argv, const std::string& strategy_name) {
   const int steps = std::stoi(flag(argc, argv, "steps", "60"));
@@ -249,26 +254,43 @@ int run(int argc, char** argv, const std::string& strategy_name) {
                 sharding.bucket_cap_mb, "first_bucket_cap_mb", sharding.first_bucket_cap_mb);
 
   std::vector<double> t_fwd, t_bwd, t_sync, t_opt, t_gather, t_zero, t_total;
+  // --memory 1: the allocated peak within each phase (mark(k) closes phase k and opens the next)
+  constexpr const char* kPhaseNames[] = {"forward", "backward", "sync_wait", "optimizer", "gather", "zero_grad"};
+  std::int64_t phase_peak[6] = {};
+  auto mark = [&](int closing) {
+    if (memory_counter == nullptr) return;
+    const auto peak = memory_counter->peak_bytes();
+    if (closing >= 0) phase_peak[closing] = std::max(phase_peak[closing], peak);
+    whole_run_peak = std::max(whole_run_peak, peak);
+    memory_counter->reset_peak();
+  };
   auto run_step = [&](int i, bool record) {
     const auto& b = batch_of(i, trainer.process_index());
+    mark(-1);
     const auto t0 = Clock::now();
     at::Tensor loss;
     {
       [[maybe_unused]] auto scope = trainer.autocast();
       loss = bench::loss_of(model, b);
     }
+    mark(0);
     const auto t1 = Clock::now();
     engine.set_gradient_sync(true);  // trainer.backward(loss), its wait timed apart below
     engine.before_backward(loss);
     loss.backward();
+    mark(1);
     const auto t2 = Clock::now();
     engine.synchronize_gradients();  // = the end of trainer.backward(loss)
+    mark(2);
     const auto t3 = Clock::now();
     optimizer.step();  // = its second half (FP32: no unscale, no scheduler here) ...
+    mark(3);
     const auto t4 = Clock::now();
     engine.after_optimizer_step();  // ... then ZeRO's all-gather of the updated shards (DDP: nothing)
+    mark(4);
     const auto t4g = Clock::now();
     trainer.zero_grad();
+    mark(5);
     const auto t5 = Clock::now();
     if (!record) return;
     auto d = [](auto a, auto c) { return std::chrono::duration<double, std::milli>(c - a).count(); };
@@ -305,6 +327,12 @@ int run(int argc, char** argv, const std::string& strategy_name) {
     std::printf("[process %d] CPU ms per step: whole process %.1f, training thread %.1f, other threads (Gloo) %.1f; "
                 "wall %.1f\n",
                 trainer.process_index(), process_cpu, main_cpu, process_cpu - main_cpu, mine);
+    if (memory_counter != nullptr) {
+      std::printf("[process %d] allocated peak MiB per phase:", trainer.process_index());
+      for (int k = 0; k < 6; ++k) std::printf(" %s %.1f", kPhaseNames[k], phase_peak[k] / 1048576.0);
+      std::printf("; between steps %.1f, of which idle step buffers %.1f\n", memory_counter->live_bytes() / 1048576.0,
+                  trainer.idle_buffer_bytes() / 1048576.0);
+    }
     std::fflush(stdout);
   }
 
@@ -357,7 +385,7 @@ int main(int argc, char** argv) {
   bench::one_thread();
   const std::string strategy = flag(argc, argv, "strategy", "ddp");
   std::optional<accel::device::HostAllocationCounter> counter;
-  if (flag(argc, argv, "memory", "0") == "1") counter.emplace();
+  if (flag(argc, argv, "memory", "0") == "1") memory_counter = &counter.emplace();
   // What TrainerOptions{.return_host_memory = true} does, for the whole process.
   if (flag(argc, argv, "return_host_memory", "0") == "1") accel::device::return_freed_host_memory();
   int status = EXIT_FAILURE;
@@ -375,7 +403,7 @@ int main(int argc, char** argv) {
     const auto activations =
         accel::estimate::activation_bytes(accel::estimate::MlpShape{widths}, std::stoll(flag(argc, argv, "batch", "64")));
     std::printf("MEMORY rank=%s allocated_peak_bytes=%lld resident_peak_bytes=%lld activation_bytes=%lld\n",
-                rank ? rank : "0", static_cast<long long>(counter->peak_bytes()),
+                rank ? rank : "0", static_cast<long long>(std::max(whole_run_peak, counter->peak_bytes())),
                 static_cast<long long>(accel::device::peak_memory_bytes(at::Device(at::kCPU))),
                 static_cast<long long>(activations));
   }
