@@ -70,6 +70,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <iterator>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -256,7 +257,7 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   std::vector<double> t_fwd, t_bwd, t_sync, t_opt, t_gather, t_zero, t_total;
   // --memory 1: the allocated peak within each phase (mark(k) closes phase k and opens the next)
   constexpr const char* kPhaseNames[] = {"forward", "backward", "sync_wait", "optimizer", "gather", "zero_grad"};
-  std::int64_t phase_peak[6] = {};
+  std::int64_t phase_peak[std::size(kPhaseNames)] = {};
   auto mark = [&](int closing) {
     if (memory_counter == nullptr) return;
     const auto peak = memory_counter->peak_bytes();
@@ -329,7 +330,7 @@ int run(int argc, char** argv, const std::string& strategy_name) {
                 trainer.process_index(), process_cpu, main_cpu, process_cpu - main_cpu, mine);
     if (memory_counter != nullptr) {
       std::printf("[process %d] allocated peak MiB per phase:", trainer.process_index());
-      for (int k = 0; k < 6; ++k) std::printf(" %s %.1f", kPhaseNames[k], phase_peak[k] / 1048576.0);
+      for (std::size_t k = 0; k < std::size(kPhaseNames); ++k) std::printf(" %s %.1f", kPhaseNames[k], phase_peak[k] / 1048576.0);
       std::printf("; between steps %.1f, of which idle step buffers %.1f\n", memory_counter->live_bytes() / 1048576.0,
                   trainer.idle_buffer_bytes() / 1048576.0);
     }

@@ -972,10 +972,17 @@ TEST_CASE("estimate-memory: per-rank bytes of a shape under each strategy, hand-
   CHECK(state(three["ZeRO-3 + cpu_offload/3"]) == V{376, 376, 0, 376, 376, 752});
   CHECK(three["DDP/3"]["activations"].get<std::int64_t>() > 0);
   CHECK(three["DDP/3"]["per_rank"].get<std::int64_t>() == 1120 + 1120 + 2240 + three["DDP/3"]["activations"].get<std::int64_t>());
+  // ZeRO-3 keeps its step's buffers: one unit (the whole model, 1128 bytes) gathered and one as a gradient bucket.
+  CHECK(three["DDP/3"]["step_buffers"].get<std::int64_t>() == 0);
+  CHECK(three["ZeRO-3/3"]["step_buffers"].get<std::int64_t>() == 2 * 1128);
+  CHECK(three["ZeRO-3/3"]["per_rank"].get<std::int64_t>() ==
+        376 + 376 + 752 + 2 * 1128 + three["ZeRO-3/3"]["activations"].get<std::int64_t>());
   // ZeRO-3 units of at least 60 elements on 4 ranks: Linear 104 | Linear 126 -> 128 | the root's 50 -> 52.
   auto units = rows({"--num_processes", "4", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "60",
                      "--optimizer", "sgd_momentum", "--mixed_precision", "bf16"});
   CHECK(state(units["ZeRO-3/4"]) == V{284, 284, 284, 0, 0, 0});
+  // The two largest units (128 and 104 elements, 512 + 416 bytes) in flight, gathered and as gradient buckets.
+  CHECK(units["ZeRO-3/4"]["step_buffers"].get<std::int64_t>() == 2 * (512 + 416));
   CHECK(state(units["DDP/4"]) == V{1120, 1120, 1120, 0, 0, 0});
   CHECK(units["DDP/4"]["activations"].is_null());  // no formula under autocast
 
@@ -993,7 +1000,7 @@ TEST_CASE("estimate-memory: per-rank bytes of a shape under each strategy, hand-
     INFO(refused);
     if (message.empty()) {
       CHECK(refused.status == 0);  // a HybridShard that does not divide is left out, not an error
-      CHECK_FALSE(contains(refused.out, "HybridShard"));
+      CHECK_FALSE(contains(refused.out, "HybridShard ("));
       continue;
     }
     CHECK(refused.status == 2);

@@ -321,6 +321,16 @@ TEST_SUITE("estimate") {
                     std::to_string(m.buffers_after_next_step) + " after the next");
         constexpr bool keeps_step_buffers = accel::strategy_traits<decltype(strategy)>::zero_stage == 3;
         require(keeps_step_buffers == (m.buffers > 0), name + ": " + std::to_string(m.buffers) + " bytes of idle step buffers");
+        if constexpr (keeps_step_buffers) {
+          // NOTE [Step buffers in the estimate]: at least what it expects, at most what the pool can keep.
+          const auto expected = estimate::step_buffers(estimate::model_shape(mlp), strategy, world);
+          if (rank == 0)
+            std::printf("real memory %-14s step buffers expected %lld, at most %lld\n", name.c_str(),
+                        static_cast<long long>(expected.bytes), static_cast<long long>(expected.most));
+          require(m.buffers >= expected.bytes && m.buffers <= expected.most,
+                  name + ": idle step buffers " + std::to_string(m.buffers) + ", the estimate " +
+                      std::to_string(expected.bytes) + " to " + std::to_string(expected.most));
+        }
         // The activations' formula is held to 10% of the allocator (the
         // activations test), and a strategy whose step has no larger
         // transient (ZeRO-1, gathering in place) peaks at them alone.
@@ -339,6 +349,9 @@ TEST_SUITE("estimate") {
     check(accel::ZeRO<1>{.cpu_offload = true}, "ZeRO-1 offload", 0);
     check(accel::ZeRO<2>{.cpu_offload = true}, "ZeRO-2 offload", P / 2);
     check(accel::ZeRO<3>{.cpu_offload = true}, "ZeRO-3 offload", P / 2);
+    // Three units (the 512 x 512 layer, the first, the rest) of very different sizes: a block each.
+    check(accel::ZeRO<3>{.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 30'000},
+          "ZeRO-3 units", 0);
     // Sharded over groups of 2 on 4 ranks: ZeRO-3's figures, plus the replicas' all-reduce of the gradient shards.
     check(accel::HybridShard{.shard_group_size = 2}, "HybridShard 2x2", P / 2, 4);
   }
@@ -349,6 +362,11 @@ TEST_SUITE("estimate") {
     REQUIRE(rows.size() == 1 + 7);  // 1: single; 3: DDP, ZeRO-1/2/3 with and without offload (no HybridShard of 3 on 3)
     CHECK(rows.front().strategy == "single process");
     CHECK(rows[1].device_bytes() == 4 * shape.bytes() + 1000);
+    for (const auto& row : rows) {  // step buffers: ZeRO-3's rows only, in the per-rank figure
+      const bool zero3 = row.strategy.rfind("ZeRO-3", 0) == 0;
+      CHECK((row.step_buffers > 0) == zero3);
+      CHECK(row.device_bytes() == row.state.total() + row.step_buffers + 1000);
+    }
     const auto text = estimate::format_report(rows);
     CHECK(text.find("ZeRO-3 + cpu_offload") != std::string::npos);
     CHECK_THROWS_AS(estimate::model_state(shape, accel::HybridShard{.shard_group_size = 2}, 3), std::invalid_argument);

@@ -63,9 +63,8 @@ void data_by_tensor_with(const Strategy& settings) {
   torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   const at::Tensor initial_up = full[0]->weight.detach().clone(), initial_down = full[1]->weight.detach().clone();
   trainer.prepare(model, opt);
-  require(trainer.strategy_engine().mesh().size(MeshDim::tensor) == 2,
-          "data_by_tensor_with needs tensor = 2 (its layers are split in two), got " +
-              std::to_string(trainer.strategy_engine().mesh().size(MeshDim::tensor)));
+  const int tensor = trainer.strategy_engine().mesh().size(MeshDim::tensor);
+  require(tensor == 2, "data_by_tensor_with needs tensor = 2 (its layers are split in two), got " + std::to_string(tensor));
   const int d = trainer.strategy_engine().mesh().coordinate(MeshDim::data);
   const int data = trainer.strategy_engine().mesh().size(MeshDim::data);
   for (int step = 0; step < steps; ++step) {

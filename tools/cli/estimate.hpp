@@ -194,6 +194,7 @@ inline int estimate_memory(const EstimateRequest& request) {
                              {"offloaded_parameters", r.state.offloaded_parameters},
                              {"offloaded_gradients", r.state.offloaded_gradients},
                              {"offloaded_optimizer_state", r.state.offloaded_optimizer_state},
+                             {"step_buffers", r.step_buffers},
                              {"activations", r.activations ? nlohmann::json(*r.activations) : nlohmann::json(nullptr)},
                              {"per_rank", r.device_bytes()}};
       std::printf("%s\n", line.dump().c_str());
@@ -211,11 +212,12 @@ inline int estimate_memory(const EstimateRequest& request) {
               request.optimizer.c_str(), request.mixed_precision.c_str());
   std::fputs(estimate::format_report(rows).c_str(), stdout);
   std::printf(
-      "\nper rank: parameters + gradients + optimizer + activations on the training device; host: what cpu_offload\n"
-      "keeps in host memory. Model state is as held between steps; within a step ZeRO-2 also holds full-size\n"
-      "gradient buckets during backward, ZeRO-3 its gathered units (one at a time; with reshard_after_forward\n"
-      "false, FSDP2's SHARD_GRAD_OP, every unit from its forward to its backward: up to the whole model's\n"
-      "parameters), and the optimizer its temporaries.\n");
+      "\nper rank: parameters + gradients + optimizer + step buffers + activations on the training device; host:\n"
+      "what cpu_offload keeps in host memory. Model state is as held between steps; within a step ZeRO-2 also\n"
+      "holds full-size gradient buckets during backward, and the optimizer its temporaries. Step buffers: what\n"
+      "ZeRO-3 and HybridShard keep for the next step, their two largest units gathered (the one computing, the\n"
+      "one prefetched; with reshard_after_forward false, FSDP2's SHARD_GRAD_OP, every unit) and as gradient\n"
+      "buckets. Units of very different sizes can keep a buffer each, and Gloo's reduce-scatter up to two more.\n");
   if (!activations)
     std::printf("Activations (-): estimated for fp32 only; under %s autocast measure one step with\n"
                 "accel::estimate::peak_bytes_during.\n",

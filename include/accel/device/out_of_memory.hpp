@@ -24,7 +24,6 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <variant>
 
 #include "accel/comm/communicator.hpp"
 
@@ -61,10 +60,11 @@ auto find_executable_batch_size(comm::Communicator& comm, std::int64_t starting_
       throw std::runtime_error("accel: find_executable_batch_size: no executable batch size found, reached zero "
                                "(starting from " + std::to_string(starting_batch_size) + ")");
     // One path for both kinds of attempt: a void one yields an empty tag.
+    struct Ran {};
     auto call = [&]() {
       if constexpr (std::is_void_v<Result>) {
         attempt(batch_size);
-        return std::monostate{};
+        return Ran{};
       } else {
         return attempt(batch_size);
       }

@@ -17,9 +17,12 @@
 // Mixed precision changes none of it: BF16/FP16 autocast keeps fp32 master
 // weights, gradients and optimizer state. What lives only within a step is
 // not model state: ZeRO-2's full-size gradient buckets during backward,
-// ZeRO-3's gathered units, the optimizer's temporaries. Torch-free.
+// ZeRO-3's gathered units, the optimizer's temporaries; ZeRO-3 keeps its
+// step's buffers between steps all the same (step_buffers below). Torch-free.
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -67,8 +70,9 @@ inline std::int64_t planned_bytes(const std::vector<strategy::ParameterSlot>& sl
   return bytes;
 }
 
-// ZeRO-3's plan: one bucket per (kind, group, unit), padded to `shards`.
-inline std::int64_t zero3_planned_bytes(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
+// ZeRO-3's plan: one bucket per (kind, group, unit), padded to `shards`;
+// the bytes of each unit's buckets.
+inline std::vector<std::int64_t> zero3_unit_bytes(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
   std::vector<std::int64_t> numels;
   for (const auto& p : shape.params) numels.push_back(p.numel);
   std::vector<std::string> unit_names;
@@ -76,7 +80,18 @@ inline std::int64_t zero3_planned_bytes(const ModelShape& shape, const ZeRO<3>& 
                                             settings.transformer_layer_cls_to_wrap, unit_names);
   auto slots = shape.params;
   for (std::size_t i = 0; i < slots.size(); ++i) slots[i].unit = static_cast<int>(units[i]);
-  return planned_bytes(slots, {.caps = std::nullopt, .pad_to_multiple = shards});
+  std::vector<std::int64_t> bytes(unit_names.size(), 0);
+  for (const auto& bucket : strategy::plan_buckets(slots, {.caps = std::nullopt, .pad_to_multiple = shards})) {
+    const auto& first = slots[bucket.params.front()];
+    bytes[static_cast<std::size_t>(first.unit)] += bucket.padded * first.element_size;
+  }
+  return bytes;
+}
+
+inline std::int64_t zero3_planned_bytes(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
+  std::int64_t total = 0;
+  for (auto b : zero3_unit_bytes(shape, settings, shards)) total += b;
+  return total;
 }
 
 inline void check_world(int world, const char* who) {
@@ -138,6 +153,43 @@ inline ModelStateBytes model_state(const ModelShape& shape, const HybridShard& s
                                 std::to_string(world) + " processes; got " + std::to_string(shards));
   return detail::sharded(detail::zero3_planned_bytes(shape, settings.zero, shards), shards, true, true,
                          settings.zero.cpu_offload, optimizer);
+}
+
+/// NOTE [Step buffers in the estimate]
+/// What ZeRO-3 and HybridShard keep beside the model state between steps:
+/// the step's buffers, which the engine's pool holds for its life (NOTE
+/// [Buffers that live as long as the engine] in device/buffer_pool.hpp). A
+/// step has two units in flight at once, gathered (the one that computes and
+/// the one prefetched for backward) and as full gradient buckets (the one
+/// filling and the one reduce-scattering): the estimate is twice the two
+/// largest units (with reshard_after_forward = false, every unit stays
+/// gathered from its forward to its backward: all units plus the two
+/// largest). A pool block serves requests of at least half its size, so
+/// units of very different sizes each keep blocks of their own: up to one
+/// gathered and one gradient block per unit (`most`; a model whose units are
+/// alike, a transformer's blocks, keeps the estimate). On Gloo the
+/// reduce-scatter's all-to-all also receives into buffers of its own, one
+/// per bucket in flight, counted in `most` (NCCL's receives in place).
+/// Every other strategy keeps none.
+struct StepBuffers {
+  std::int64_t bytes = 0;  ///< gathered units and gradient buckets in flight
+  std::int64_t most = 0;   ///< what the pool can keep: a block per unit and kind, and Gloo's receive buffers
+};
+
+inline StepBuffers step_buffers(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
+  detail::check_world(shards, "ZeRO-3");
+  auto units = detail::zero3_unit_bytes(shape, settings, shards);
+  std::sort(units.begin(), units.end(), std::greater<>{});
+  std::int64_t all = 0;
+  for (auto b : units) all += b;
+  const std::int64_t in_flight = units.empty() ? 0 : units[0] + (units.size() > 1 ? units[1] : 0);
+  const std::int64_t gathered = settings.reshard_after_forward ? in_flight : all;
+  const std::int64_t bytes = gathered + in_flight;
+  return {bytes, std::max(bytes, 2 * all) + in_flight};
+}
+inline StepBuffers step_buffers(const ModelShape& shape, const HybridShard& settings, int world) {
+  model_state(shape, settings, world);  // the same checks of the shard group
+  return step_buffers(shape, settings.zero, settings.shard_group_size);
 }
 
 }  // namespace accel::estimate

@@ -31,8 +31,9 @@ struct ReportRow {
   int processes = 1;
   ModelStateBytes state{};
   std::optional<std::int64_t> activations{};  ///< per rank, at its own batch
-  /// What the training device holds: model state plus activations.
-  std::int64_t device_bytes() const { return state.total() + activations.value_or(0); }
+  std::int64_t step_buffers = 0;  ///< kept between steps (ZeRO-3, HybridShard): NOTE [Step buffers in the estimate]
+  /// What the training device holds: model state, the kept step buffers and the activations.
+  std::int64_t device_bytes() const { return state.total() + step_buffers + activations.value_or(0); }
 };
 
 /// The rows for `shape`; `activations` (per rank, at the per-process batch)
@@ -42,8 +43,8 @@ inline std::vector<ReportRow> report(const ModelShape& shape, std::optional<std:
   const ZeRO<3> zero3{.auto_wrap_policy = options.auto_wrap_policy, .min_num_params = options.min_num_params,
                       .transformer_layer_cls_to_wrap = options.transformer_layer_cls_to_wrap};
   std::vector<ReportRow> rows;
-  auto add = [&](std::string name, int world, const ModelStateBytes& state) {
-    rows.push_back({std::move(name), world, state, activations});
+  auto add = [&](std::string name, int world, const ModelStateBytes& state, std::int64_t kept_buffers = 0) {
+    rows.push_back({std::move(name), world, state, activations, kept_buffers});
   };
   for (int world : options.num_processes) {
     add(world == 1 ? "single process" : "DDP", world, model_state(shape, DDP{}, world, options.optimizer));
@@ -59,12 +60,14 @@ inline std::vector<ReportRow> report(const ModelShape& shape, std::optional<std:
                       world, options.optimizer));
       auto z3 = zero3;
       z3.cpu_offload = offload;
-      add("ZeRO-3" + suffix, world, model_state(shape, z3, world, options.optimizer));
+      add("ZeRO-3" + suffix, world, model_state(shape, z3, world, options.optimizer), step_buffers(shape, z3, world).bytes);
     }
     const int shards = options.shard_group_size;
-    if (shards > 0 && shards < world && world % shards == 0)
-      add("HybridShard (" + std::to_string(shards) + " per group)", world,
-          model_state(shape, HybridShard{.zero = zero3, .shard_group_size = shards}, world, options.optimizer));
+    if (shards > 0 && shards < world && world % shards == 0) {
+      const HybridShard hybrid{.zero = zero3, .shard_group_size = shards};
+      add("HybridShard (" + std::to_string(shards) + " per group)", world, model_state(shape, hybrid, world, options.optimizer),
+          step_buffers(shape, hybrid, world).bytes);
+    }
   }
   return rows;
 }
@@ -88,13 +91,13 @@ inline std::string human_bytes(std::int64_t bytes) {
 inline std::string format_report(const std::vector<ReportRow>& rows) {
   std::string out;
   char line[256];
-  std::snprintf(line, sizeof line, "%-30s %5s %11s %11s %11s %11s %11s %11s\n", "strategy", "procs", "parameters",
-                "gradients", "optimizer", "activations", "per rank", "host");
+  std::snprintf(line, sizeof line, "%-30s %5s %11s %11s %11s %12s %11s %11s %11s\n", "strategy", "procs", "parameters",
+                "gradients", "optimizer", "step buffers", "activations", "per rank", "host");
   out += line;
   for (const auto& r : rows) {
-    std::snprintf(line, sizeof line, "%-30s %5d %11s %11s %11s %11s %11s %11s\n", r.strategy.c_str(), r.processes,
+    std::snprintf(line, sizeof line, "%-30s %5d %11s %11s %11s %12s %11s %11s %11s\n", r.strategy.c_str(), r.processes,
                   human_bytes(r.state.parameters).c_str(), human_bytes(r.state.gradients).c_str(),
-                  human_bytes(r.state.optimizer_state).c_str(),
+                  human_bytes(r.state.optimizer_state).c_str(), r.step_buffers > 0 ? human_bytes(r.step_buffers).c_str() : "-",
                   r.activations ? human_bytes(*r.activations).c_str() : "-", human_bytes(r.device_bytes()).c_str(),
                   r.state.offloaded_total() > 0 ? human_bytes(r.state.offloaded_total()).c_str() : "-");
     out += line;

@@ -64,51 +64,23 @@ inline bool debug_mode(const std::optional<bool>& configured) {
   return configured ? *configured : launcher_flag(variables::debug_mode);
 }
 
+// FSDP_AUTO_WRAP_POLICY, FSDP_MIN_NUM_PARAMS, FSDP_TRANSFORMER_CLS_TO_WRAP,
+// into a ZeRO stage's settings (the fields every stage has).
+void apply_launcher_wrap_policy(AutoWrapPolicy& policy, std::int64_t& min_num_params,
+                                std::vector<std::string>& classes_to_wrap);
 template <int Stage>
 void apply_launcher_wrap_policy(ZeRO<Stage>& zero) {
-  if (auto policy = comm::process_environment(variables::fsdp_auto_wrap_policy)) {
-    const auto named = auto_wrap_policy_named(*policy);
-    if (!named)
-      throw ConfigurationError("accel: FSDP_AUTO_WRAP_POLICY='" + *policy + "' is not " +
-                               one_of(auto_wrap_policy_names));
-    zero.auto_wrap_policy = *named;
-  }
-  if (auto count = comm::process_environment(variables::fsdp_min_num_params)) {
-    std::size_t used = 0;
-    long long n = -1;
-    try {
-      n = std::stoll(*count, &used);
-    } catch (const std::exception&) {
-    }
-    if (n < 0 || used != count->size())
-      throw ConfigurationError("accel: FSDP_MIN_NUM_PARAMS='" + *count + "' is not a non-negative integer");
-    zero.min_num_params = n;
-  }
-  if (auto classes = comm::process_environment(variables::fsdp_transformer_cls_to_wrap)) {
-    zero.transformer_layer_cls_to_wrap.clear();
-    std::stringstream list(*classes);
-    for (std::string name; std::getline(list, name, ',');) {
-      name.erase(0, name.find_first_not_of(" \t"));
-      name.erase(name.find_last_not_of(" \t") + 1);
-      if (!name.empty()) zero.transformer_layer_cls_to_wrap.push_back(name);
-    }
-  }
+  apply_launcher_wrap_policy(zero.auto_wrap_policy, zero.min_num_params, zero.transformer_layer_cls_to_wrap);
 }
 
-// FSDP_STATE_DICT_TYPE: SHARDED_STATE_DICT only where the model is sharded.
+// FSDP_STATE_DICT_TYPE: SHARDED_STATE_DICT only where the model is sharded
+// (`sharded_model`); none when the variable is not set.
+std::optional<StateDictType> launcher_state_dict_type(bool sharded_model);
 template <class Strategy>
 void apply_launcher_state_dict_type(Strategy& strategy) {
-  auto requested = comm::process_environment(variables::fsdp_state_dict_type);
-  if (!requested) return;
-  const auto type = state_dict_type_named(*requested);
-  if (!type)
-    throw ConfigurationError("accel: FSDP_STATE_DICT_TYPE='" + *requested + "' is not " +
-                             one_of(state_dict_type_names));
-  if constexpr (strategy_traits<Strategy>::zero_stage == 3) strategy_traits<Strategy>::zero_settings(strategy)->state_dict_type = *type;
-  else if (*type == StateDictType::SHARDED_STATE_DICT)
-    throw ConfigurationError("accel: the launcher asked for fsdp_state_dict_type=SHARDED_STATE_DICT but this "
-                             "program's Trainer strategy keeps the whole model on every rank: use accel::ZeRO<3> or "
-                             "accel::HybridShard, or FULL_STATE_DICT");
+  const auto type = launcher_state_dict_type(strategy_traits<Strategy>::zero_stage == 3);
+  if constexpr (strategy_traits<Strategy>::zero_stage == 3)
+    if (type) strategy_traits<Strategy>::zero_settings(strategy)->state_dict_type = *type;
 }
 
 template <class Strategy>
@@ -149,6 +121,51 @@ void check_launcher_settings() {
 // The functions compiled once (NOTE [Compiled once]).
 #if ACCEL_DEFINE_COMPILED_ONCE
 // ACCEL_COMPILED_ONCE_DEFINITIONS
+ACCEL_COMPILED_ONCE void apply_launcher_wrap_policy(AutoWrapPolicy& policy, std::int64_t& min_num_params,
+                                                    std::vector<std::string>& classes_to_wrap) {
+  if (auto requested = comm::process_environment(variables::fsdp_auto_wrap_policy)) {
+    const auto named = auto_wrap_policy_named(*requested);
+    if (!named)
+      throw ConfigurationError("accel: FSDP_AUTO_WRAP_POLICY='" + *requested + "' is not " +
+                               one_of(auto_wrap_policy_names));
+    policy = *named;
+  }
+  if (auto count = comm::process_environment(variables::fsdp_min_num_params)) {
+    std::size_t used = 0;
+    long long n = -1;
+    try {
+      n = std::stoll(*count, &used);
+    } catch (const std::exception&) {
+    }
+    if (n < 0 || used != count->size())
+      throw ConfigurationError("accel: FSDP_MIN_NUM_PARAMS='" + *count + "' is not a non-negative integer");
+    min_num_params = n;
+  }
+  if (auto classes = comm::process_environment(variables::fsdp_transformer_cls_to_wrap)) {
+    classes_to_wrap.clear();
+    std::stringstream list(*classes);
+    for (std::string name; std::getline(list, name, ',');) {
+      name.erase(0, name.find_first_not_of(" \t"));
+      name.erase(name.find_last_not_of(" \t") + 1);
+      if (!name.empty()) classes_to_wrap.push_back(name);
+    }
+  }
+}
+
+ACCEL_COMPILED_ONCE std::optional<StateDictType> launcher_state_dict_type(bool sharded_model) {
+  auto requested = comm::process_environment(variables::fsdp_state_dict_type);
+  if (!requested) return std::nullopt;
+  const auto type = state_dict_type_named(*requested);
+  if (!type)
+    throw ConfigurationError("accel: FSDP_STATE_DICT_TYPE='" + *requested + "' is not " +
+                             one_of(state_dict_type_names));
+  if (!sharded_model && *type == StateDictType::SHARDED_STATE_DICT)
+    throw ConfigurationError("accel: the launcher asked for fsdp_state_dict_type=SHARDED_STATE_DICT but this "
+                             "program's Trainer strategy keeps the whole model on every rank: use accel::ZeRO<3> or "
+                             "accel::HybridShard, or FULL_STATE_DICT");
+  return type;
+}
+
 ACCEL_COMPILED_ONCE int accumulation_steps(const std::optional<int>& configured) {
   auto from_env = comm::process_environment(variables::gradient_accumulation_steps);
   int steps = 1;

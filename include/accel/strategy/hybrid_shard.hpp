@@ -6,18 +6,66 @@
 // averaged across the groups with one all-reduce per bucket.
 
 #include <ATen/core/Tensor.h>
-#include <torch/nn/module.h>
-#include <torch/optim/optimizer.h>
+#include <c10/core/Device.h>
 
+#include <optional>
+#include <utility>
+
+#include "accel/comm/communicator.hpp"
+#include "accel/core/compiled_once.hpp"
+#include "accel/core/policies.hpp"
+#include "accel/strategy/engine.hpp"
+#include "accel/strategy/zero3.hpp"
+
+namespace accel::strategy {
+
+// Base-from-member: the groups exist before the ZeRO-3 engine built on one.
+struct HybridGroups {
+  std::pair<comm::Communicator, comm::Communicator> groups;  // (shard group, replicate group)
+};
+
+class HybridShardEngine final : private HybridGroups, public ForwardingEngine<ZeRO3Engine> {
+  using inner_type = ZeRO3Engine;
+  using forwarding = ForwardingEngine<inner_type>;
+
+ public:
+  using settings_type = HybridShard;
+  static constexpr bool shards_optimizer_state = true;
+
+  static void check_world(const HybridShard& settings, int world_size);
+
+  HybridShardEngine(const HybridShard& settings, comm::Communicator& world);
+
+  void prepare_model(torch::nn::Module& model);
+  /// Built on meta: every rank replays the first rank's initialisers.
+  void prepare_meta_model(torch::nn::Module& model, at::Device device);
+
+  /// The shard group's reduce-scatter, then the average over the replicas.
+  void synchronize_gradients();
+
+  /// Shards are cut over the shard group; the first group's ranks write them.
+  std::optional<ShardLayout> shard_layout() const override;
+  /// The replicas hold equal shards: the norm is the shard group's.
+  NormReduction norm_reduction() { return {&shard_group(), {}}; }
+
+  inner_type& shard_engine() { return inner(); }
+
+ private:
+  inner_type& inner() { return this->inner_; }
+  comm::Communicator& shard_group() { return groups.first; }
+  comm::Communicator& replicate_group() { return groups.second; }
+};
+
+}  // namespace accel::strategy
+
+// The engine's code, compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "accel/comm/communicator.hpp"
 #include "accel/comm/environment.hpp"
-#include "accel/core/policies.hpp"
-#include "accel/strategy/engine.hpp"
-#include "accel/strategy/zero3.hpp"
+#include "accel/strategy/deferred_init.hpp"
 
 namespace accel::strategy {
 
@@ -44,71 +92,46 @@ inline std::pair<comm::Communicator, comm::Communicator> hybrid_groups(const com
 }
 }  // namespace detail
 
-// Base-from-member: the groups exist before the ZeRO-3 engine built on one.
-struct HybridGroups {
-  std::pair<comm::Communicator, comm::Communicator> groups;  // (shard group, replicate group)
-};
+ACCEL_COMPILED_ONCE void HybridShardEngine::check_world(const HybridShard& settings, int world_size) {
+  detail::shard_group_size_for(settings, world_size);
+}
 
-class HybridShardEngine final : private HybridGroups, public ForwardingEngine<ZeRO3Engine> {
-  using inner_type = ZeRO3Engine;
-  using forwarding = ForwardingEngine<inner_type>;
+ACCEL_COMPILED_ONCE HybridShardEngine::HybridShardEngine(const HybridShard& settings, comm::Communicator& world)
+    : HybridGroups{detail::hybrid_groups(world, detail::shard_group_size_for(settings, world.size()))},
+      forwarding(settings.zero, shard_group()) {
+  static_assert(complete_engine<HybridShardEngine>);
+}
 
- public:
-  using settings_type = HybridShard;
-  static constexpr bool shards_optimizer_state = true;
+ACCEL_COMPILED_ONCE void HybridShardEngine::prepare_model(torch::nn::Module& model) {
+  inner().prepare_model(model);  // equal within the shard group: its first rank's weights
+  // ... and across the replicas: the first group's (buffers too).
+  detail::broadcast_module_state(model, replicate_group(), "broadcast of the first replica's parameters at prepare");
+}
 
-  static void check_world(const HybridShard& settings, int world_size) {
-    detail::shard_group_size_for(settings, world_size);
-  }
+ACCEL_COMPILED_ONCE void HybridShardEngine::prepare_meta_model(torch::nn::Module& model, at::Device device) {
+  inner().prepare_meta_model(model, device);  // the shard group's first rank's generator states
+  agree_on_initialisers(model, replicate_group(), "HybridShard");  // ... and the first group's
+}
 
-  HybridShardEngine(const HybridShard& settings, comm::Communicator& world)
-      : HybridGroups{detail::hybrid_groups(world, detail::shard_group_size_for(settings, world.size()))},
-        forwarding(settings.zero, shard_group()) {
-    static_assert(complete_engine<HybridShardEngine>);
-  }
-
-  void prepare_model(torch::nn::Module& model) {
-    inner().prepare_model(model);  // equal within the shard group: its first rank's weights
-    // ... and across the replicas: the first group's (buffers too).
-    detail::broadcast_module_state(model, replicate_group(), "broadcast of the first replica's parameters at prepare");
-  }
-
-  /// Built on meta: every rank replays the first rank's initialisers.
-  void prepare_meta_model(torch::nn::Module& model, at::Device device) {
-    inner().prepare_meta_model(model, device);  // the shard group's first rank's generator states
-    agree_on_initialisers(model, replicate_group(), "HybridShard");  // ... and the first group's
-  }
-
-  /// The shard group's reduce-scatter, then the average over the replicas.
-  void synchronize_gradients() {
-    inner().reduce_gradients();
-    auto& replicas = replicate_group();
-    if (replicas.distributed()) {
-      std::vector<comm::Pending> pending;
-      for (at::Tensor grad : inner().device_gradient_shards()) {
-        grad.div_(replicas.size());
-        pending.push_back(replicas.all_reduce_async(grad, "all-reduce of HybridShard gradient shards across replicas"));
-      }
-      for (auto& p : pending) p.wait();
+ACCEL_COMPILED_ONCE void HybridShardEngine::synchronize_gradients() {
+  inner().reduce_gradients();
+  auto& replicas = replicate_group();
+  if (replicas.distributed()) {
+    std::vector<comm::Pending> pending;
+    for (at::Tensor grad : inner().device_gradient_shards()) {
+      grad.div_(replicas.size());
+      pending.push_back(replicas.all_reduce_async(grad, "all-reduce of HybridShard gradient shards across replicas"));
     }
-    inner().offload_gradients();  // the averaged shards, under cpu_offload
+    for (auto& p : pending) p.wait();
   }
+  inner().offload_gradients();  // the averaged shards, under cpu_offload
+}
 
-  /// Shards are cut over the shard group; the first group's ranks write them.
-  std::optional<ShardLayout> shard_layout() const override {
-    auto layout = this->inner_.layout();
-    layout.writer = groups.second.rank() == 0;
-    return layout;
-  }
-  /// The replicas hold equal shards: the norm is the shard group's.
-  NormReduction norm_reduction() { return {&shard_group(), {}}; }
-
-  inner_type& shard_engine() { return inner(); }
-
- private:
-  inner_type& inner() { return this->inner_; }
-  comm::Communicator& shard_group() { return groups.first; }
-  comm::Communicator& replicate_group() { return groups.second; }
-};
+ACCEL_COMPILED_ONCE std::optional<ShardLayout> HybridShardEngine::shard_layout() const {
+  auto layout = this->inner_.layout();
+  layout.writer = groups.second.rank() == 0;
+  return layout;
+}
 
 }  // namespace accel::strategy
+#endif  // ACCEL_DEFINE_COMPILED_ONCE

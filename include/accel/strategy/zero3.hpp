@@ -30,6 +30,133 @@
 // Gloo's worker threads also touch the buffers (copying gathered chunks).
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "accel/comm/communicator.hpp"
+#include "accel/core/compiled_once.hpp"
+#include "accel/core/policies.hpp"
+#include "accel/strategy/buckets.hpp"
+#include "accel/strategy/sharded_engine.hpp"
+#include "accel/strategy/zero.hpp"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace accel::strategy {
+
+namespace detail {
+class ZeRO3State;  // the units and their life cycle, in the compiled-once section below
+}
+
+class ZeRO3Engine final : public ShardedEngineBase {
+ public:
+  using settings_type = ZeRO<3>;
+
+  ZeRO3Engine(const ZeRO<3>& settings, comm::Communicator& comm);
+  // The model outlives the trainer: give it back whole (a collective, as
+  // every rank destroys its trainer at the same point of the program). Not
+  // while an exception unwinds: the peers may not be there; the parameters
+  // then stay sharded and must not be used. Not a model built on meta,
+  // which may not fit whole: it goes back to the meta device (unwrap_model
+  // before, to have it whole).
+  ~ZeRO3Engine();
+
+  /// Gathers every unit for good and stops sharding: the model is whole on
+  /// every rank again (Trainer::unwrap_model; every rank must call it).
+  void unshard_permanently();
+
+  void prepare_model(torch::nn::Module& model);
+  /// A model built by device::build_on_meta (NOTE [Models built on meta]):
+  /// no rank ever holds it whole. prepare_optimizer computes one unit's
+  /// parameters at a time, keeps this rank's shard of them and frees the unit.
+  void prepare_meta_model(torch::nn::Module& model, at::Device device);
+  void prepare_optimizer(torch::optim::Optimizer& optimizer);
+
+  void before_forward();
+  void after_forward();
+  void before_backward(const at::Tensor& loss);
+
+  void synchronize_gradients() {
+    reduce_gradients();
+    offload_gradients();
+  }
+  /// The reduce-scatter alone (HybridShard averages the shards across
+  /// replicas before they are offloaded).
+  void reduce_gradients();
+  void offload_gradients() {
+    if (offload_.enabled()) offload_.gradients_to_host(grad_shards_);
+  }
+  /// This rank's reduced gradient shards, in device memory.
+  const std::vector<at::Tensor>& device_gradient_shards() const { return grad_shards_; }
+
+  void after_optimizer_step() {
+    if (offload_.enabled()) offload_.parameters_to_device(device_shards());
+  }
+
+  void zero_grad(torch::optim::Optimizer&);
+
+  /// The tensors the optimizer steps: this rank's shards, or their host
+  /// twins under cpu_offload (NOTE [CPU offload]).
+  const std::vector<at::Tensor>& optimizer_parameters() const override { return stepped(device_shards()); }
+  /// This rank's parameter shards in device memory (the optimizer's own
+  /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
+  const std::vector<at::Tensor>& device_shards() const;
+  void parameters_loaded() override;
+  /// Under SHARDED_STATE_DICT a checkpoint holds this rank's shards
+  /// (NOTE [Sharded checkpoints]); a load writes into them.
+  std::optional<ShardedParameters> sharded_parameters() const override {
+    if (settings_.state_dict_type != StateDictType::SHARDED_STATE_DICT) return std::nullopt;
+    return held_shards();
+  }
+  std::optional<ShardedParameters> held_shards() const override {
+    return ShardedParameters{flat_buckets(), device_shards(), model_};
+  }
+
+  /// Checkpoints: every unit gathered (all ranks call it), then released;
+  /// after a load, each rank's shards are taken from the loaded parameters.
+  void gather_full_parameters() override;
+  void release_full_parameters(FullParameters what) override;
+
+  // ------------------------------------------------------------ introspection
+  std::size_t unit_count() const;
+  const std::string& unit_name(std::size_t u) const;
+  bool unit_gathered(std::size_t u) const;
+  /// Bytes of full (gathered) parameters this rank holds right now.
+  std::int64_t gathered_bytes() const;
+  /// The largest unit's full parameters, in bytes.
+  std::int64_t largest_unit_bytes() const;
+
+ private:
+  void back_to_meta();
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters_of(std::size_t b) const;
+  void require_attached() const;
+  void stop_observing();
+  void launch(std::size_t b);
+
+  ZeRO<3> settings_;
+  std::shared_ptr<detail::ZeRO3State> z3_;
+  torch::nn::Module* model_ = nullptr;
+  std::optional<std::uint64_t> observer_;  // at::CallbackHandle
+  bool detached_ = false;
+  std::optional<at::Device> materialize_on_;  // set for a model built on meta
+};
+
+}  // namespace accel::strategy
+
+// The engine's code, compiled once (NOTE [Compiled once]).
+#if ACCEL_DEFINE_COMPILED_ONCE
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/record_function.h>
@@ -42,24 +169,16 @@
 #include <cstdio>
 #include <exception>
 #include <functional>
-#include <memory>
 #include <mutex>
-#include <optional>
 #include <stdexcept>
-#include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
-#include <vector>
 
 #include "accel/comm/collectives.hpp"
-#include "accel/comm/communicator.hpp"
-#include "accel/core/policies.hpp"
-#include "accel/strategy/buckets.hpp"
 #include "accel/strategy/deferred_init.hpp"
-#include "accel/strategy/offload.hpp"
-#include "accel/strategy/sharded_engine.hpp"
 #include "accel/strategy/module_tree.hpp"
-#include "accel/strategy/zero.hpp"
+#include "accel/strategy/unit_checkpointing.hpp"
 
 namespace accel::strategy {
 
@@ -280,312 +399,269 @@ inline std::unique_ptr<at::ObserverContext> zero3_observe(const at::RecordFuncti
 
 }  // namespace detail
 
-class ZeRO3Engine final : public ShardedEngineBase {
- public:
-  using settings_type = ZeRO<3>;
+static_assert(std::is_same_v<at::CallbackHandle, std::uint64_t>, "ZeRO3Engine::observer_ holds an at::CallbackHandle");
 
-  ZeRO3Engine(const ZeRO<3>& settings, comm::Communicator& comm)
-      : ShardedEngineBase(BucketSettings{.find_unused_parameters = settings.find_unused_parameters,
-                                          .pad_to_multiple = comm.size(),
-                                          .strategy_name = "ZeRO<3>",
-                                          .size_capped = false,
-                                          .lazy_gradients = true,
-                                          .keep_step_buffers = true},
-                          comm, settings.cpu_offload),
-        settings_(settings),
-        z3_(std::make_shared<detail::ZeRO3State>()) {
+ACCEL_COMPILED_ONCE ZeRO3Engine::ZeRO3Engine(const ZeRO<3>& settings, comm::Communicator& comm)
+    : ShardedEngineBase(BucketSettings{.find_unused_parameters = settings.find_unused_parameters,
+                                        .pad_to_multiple = comm.size(),
+                                        .strategy_name = "ZeRO<3>",
+                                        .size_capped = false,
+                                        .lazy_gradients = true,
+                                        .keep_step_buffers = true},
+                        comm, settings.cpu_offload),
+      settings_(settings),
+      z3_(std::make_shared<detail::ZeRO3State>()) {
 #ifndef NDEBUG
-    // LibTorch is built with NDEBUG; a debug build's RecordFunction::inputs()
-    // asserts on a member that LibTorch never sets (a padding byte there).
-    throw std::logic_error("accel ZeRO<3>: build with -DNDEBUG (meson's release/debugoptimized with b_ndebug), "
-                           "as LibTorch itself is built");
+  // LibTorch is built with NDEBUG; a debug build's RecordFunction::inputs()
+  // asserts on a member that LibTorch never sets (a padding byte there).
+  throw std::logic_error("accel ZeRO<3>: build with -DNDEBUG (meson's release/debugoptimized with b_ndebug), "
+                         "as LibTorch itself is built");
 #endif
-    static_assert(complete_engine<ZeRO3Engine>);
-    check_unit_checkpointing(settings, state_->settings.strategy_name);
-    z3_->comm = &comm;
-    z3_->pool = state_->step_buffers();
-    z3_->reshard_after_forward = settings.reshard_after_forward;
-    state_->launch = [this](std::size_t b) { launch(b); };
-    state_->before_allocating = [this] { retire_launched(); };
-  }
-  // The model outlives the trainer: give it back whole (a collective, as
-  // every rank destroys its trainer at the same point of the program). Not
-  // while an exception unwinds: the peers may not be there; the parameters
-  // then stay sharded and must not be used. Not a model built on meta,
-  // which may not fit whole: it goes back to the meta device (unwrap_model
-  // before, to have it whole).
-  ~ZeRO3Engine() {
-    if (!detached_ && std::uncaught_exceptions() == 0 && !z3_->shards.empty()) {
-      if (z3_->failure) {
-        std::fprintf(stderr, "accel ZeRO<3>: the model stays sharded at shutdown: a collective of its training failed\n");
-      } else if (materialize_on_) {
-        back_to_meta();
-      } else {
-        try {
-          unshard_permanently();
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "accel ZeRO<3>: could not gather the full model at shutdown: %s\n", e.what());
-        }
+  static_assert(complete_engine<ZeRO3Engine>);
+  check_unit_checkpointing(settings, state_->settings.strategy_name);
+  z3_->comm = &comm;
+  z3_->pool = state_->step_buffers();
+  z3_->reshard_after_forward = settings.reshard_after_forward;
+  state_->launch = [this](std::size_t b) { launch(b); };
+  state_->before_allocating = [this] { retire_launched(); };
+}
+
+ACCEL_COMPILED_ONCE ZeRO3Engine::~ZeRO3Engine() {
+  if (!detached_ && std::uncaught_exceptions() == 0 && !z3_->shards.empty()) {
+    if (z3_->failure) {
+      std::fprintf(stderr, "accel ZeRO<3>: the model stays sharded at shutdown: a collective of its training failed\n");
+    } else if (materialize_on_) {
+      back_to_meta();
+    } else {
+      try {
+        unshard_permanently();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "accel ZeRO<3>: could not gather the full model at shutdown: %s\n", e.what());
       }
     }
-    stop_observing();
   }
+  stop_observing();
+}
 
-  /// Gathers every unit for good and stops sharding: the model is whole on
-  /// every rank again (Trainer::unwrap_model; every rank must call it).
-  void unshard_permanently() {
-    if (detached_) return;
-    z3_->rethrow_failure();
-    {
-      detail::BusyScope busy;
-      z3_->reshard_all();  // a unit gathered into the pool (mid-step) is gathered again into memory of its own
-    }
-    gather_full_parameters();
-    stop_observing();
-    detached_ = true;
-  }
-
-  void prepare_model(torch::nn::Module& model) {
-    if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
-    collect(model);
-    checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
-    model_ = &model;
-  }
-  /// A model built by device::build_on_meta (NOTE [Models built on meta]):
-  /// no rank ever holds it whole. prepare_optimizer computes one unit's
-  /// parameters at a time, keeps this rank's shard of them and frees the unit.
-  void prepare_meta_model(torch::nn::Module& model, at::Device device) {
-    if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
-    deferred_init::check_materializable(model);  // every rank alike, before any collective
-    collect(model, /*broadcast=*/false);
-    agree_on_initialisers(model, *state_->comm, state_->settings.strategy_name);
-    checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
-    model_ = &model;
-    materialize_on_ = device;
-  }
-
-  void prepare_optimizer(torch::optim::Optimizer& optimizer) {
-    auto& s = *state_;
-    if (model_ == nullptr) throw std::logic_error("accel ZeRO<3>: prepare the model before (or with) the optimizer");
-    if (!optimizer.state().empty())
-      throw std::logic_error("accel ZeRO: prepare the optimizer before its first step (its state would be lost)");
-    std::vector<std::string> unit_names;
-    std::vector<std::int64_t> numels;
-    for (const auto& p : s.params) numels.push_back(p.numel());
-    const auto unit_of_param = assign_units(module_tree(*model_, s.params), numels, settings_.auto_wrap_policy,
-                                            settings_.min_num_params, settings_.transformer_layer_cls_to_wrap, unit_names);
-    auto& groups = optimizer.param_groups();
-    // Buckets never straddle units or optimizer groups.
-    plan_buckets([&](const at::Tensor& p) { return optimizer_group_of(groups, p); },
-                 [&](std::size_t i) { return static_cast<int>(unit_of_param[i]); });
-    auto& z = *z3_;
-    z.units.resize(unit_names.size());
-    for (std::size_t u = 0; u < unit_names.size(); ++u) z.units[u].name = unit_names[u];
-    z.root = unit_names.size() - 1;
-    const int world = s.comm->size(), rank = s.comm->rank();
-    c10::NoGradGuard no_grad;
-    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      auto& bucket = s.buckets[b];
-      const std::size_t u = static_cast<std::size_t>(bucket.unit);
-      if (materialize_on_) deferred_init::materialize_each(named_parameters_of(b), *materialize_on_);  // this bucket's only
-      at::Tensor flat = flatten_parameters(b);  // (padded,)
-      const std::int64_t shard = bucket.padded / world;
-      z.flat.push_back(flat);
-      z.shards.push_back(flat.narrow(0, rank * shard, shard).clone().requires_grad_(true));
-      // Built on meta: the unit's full parameters go before the next is computed.
-      if (materialize_on_) detail::set_storage_bytes(flat.storage().unsafeGetStorageImpl(), 0);
-      allocate_gradient_shards(shard, flat.options());
-      z.unit_of_bucket.push_back(u);
-      z.units[u].buckets.push_back(b);
-      z.unit_of_storage[flat.storage().unsafeGetStorageImpl()] = u;
-    }
-    // Built on meta: buffers and frozen parameters, which are not sharded, whole.
-    if (materialize_on_) {
-      deferred_init::materialize_each(deferred_init::meta_tensors_of(*model_), *materialize_on_);
-      deferred_init::forget_replaced();  // the records of the storages just replaced
-    }
-    for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
-    if (offload_.enabled()) offload_.attach(z.shards);
-    point_optimizer_at(groups, optimizer_parameters());
-    z.reshard_all();
-    size_collectives();
-    register_hooks();
-    z.owner = std::this_thread::get_id();
-    {
-      auto& registry = detail::zero3_registry();
-      std::lock_guard<std::mutex> lock(registry.mutex);
-      registry.states.push_back(z3_.get());
-    }
-    observer_ = at::addGlobalCallback(at::RecordFunctionCallback(&detail::zero3_observe).needsInputs(true));
-  }
-
-  void before_forward() {
-    require_attached();
-    z3_->owner = std::this_thread::get_id();  // whichever thread trains now
-    z3_->backward = false;
-    z3_->forward_order.clear();
-    z3_->current = SIZE_MAX;
-  }
-  void after_forward() {
-    if (detached_) return;  // unwrapped: the model stays whole
-    z3_->rethrow_failure();
-    z3_->last_forward_order = z3_->forward_order;
-    if (z3_->reshard_after_forward) z3_->reshard_all();  // else each unit goes once its backward is done
-  }
-
-  void before_backward(const at::Tensor& loss) {
-    require_attached();
-    z3_->owner = std::this_thread::get_id();
-    if (z3_->shards.empty())
-      throw std::logic_error("accel ZeRO<3>: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
-    z3_->rethrow_failure();
-    if (z3_->last_forward_order.empty()) z3_->last_forward_order = z3_->forward_order;
-    z3_->backward = true;
-    for (auto& unit : z3_->units) unit.launched = 0;
-    mark_unused_ready(loss);
-  }
-
-  void synchronize_gradients() {
-    reduce_gradients();
-    offload_gradients();
-  }
-  /// The reduce-scatter alone (HybridShard averages the shards across
-  /// replicas before they are offloaded).
-  void reduce_gradients() {
-    z3_->rethrow_failure();  // a gather of the backward failed
-    wait_for_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(b, grad_shards_[b], received_[b]); });
-    release_full_gradients();
-    set_shards_hold_reduced(true);
-    z3_->backward = false;
-    z3_->reshard_all();
-  }
-  void offload_gradients() {
-    if (offload_.enabled()) offload_.gradients_to_host(grad_shards_);
-  }
-  /// This rank's reduced gradient shards, in device memory.
-  const std::vector<at::Tensor>& device_gradient_shards() const { return grad_shards_; }
-
-  void after_optimizer_step() {
-    if (offload_.enabled()) offload_.parameters_to_device(z3_->shards);
-  }
-
-  void zero_grad(torch::optim::Optimizer&) {
-    for (auto& g : grad_shards_) g.zero_();
-    set_shards_hold_reduced(false);
-    if (offload_.enabled()) offload_.zero_grad();
-  }
-
-  /// The tensors the optimizer steps: this rank's shards, or their host
-  /// twins under cpu_offload (NOTE [CPU offload]).
-  const std::vector<at::Tensor>& optimizer_parameters() const override { return stepped(z3_->shards); }
-  /// This rank's parameter shards in device memory (the optimizer's own
-  /// tensors unless cpu_offload), whose .grad are the reduced gradient shards.
-  const std::vector<at::Tensor>& device_shards() const { return z3_->shards; }
-  void parameters_loaded() override {
-    z3_->reshard_all();  // a full parameter buffer gathered before the load holds the old values
-    if (offload_.enabled()) offload_.parameters_from_device(z3_->shards);
-  }
-  /// Under SHARDED_STATE_DICT a checkpoint holds this rank's shards
-  /// (NOTE [Sharded checkpoints]); a load writes into them.
-  std::optional<ShardedParameters> sharded_parameters() const override {
-    if (settings_.state_dict_type != StateDictType::SHARDED_STATE_DICT) return std::nullopt;
-    return held_shards();
-  }
-  std::optional<ShardedParameters> held_shards() const override { return ShardedParameters{flat_buckets(), z3_->shards, model_}; }
-
-  /// Checkpoints: every unit gathered (all ranks call it), then released;
-  /// after a load, each rank's shards are taken from the loaded parameters.
-  void gather_full_parameters() override {
-    z3_->rethrow_failure();
+ACCEL_COMPILED_ONCE void ZeRO3Engine::unshard_permanently() {
+  if (detached_) return;
+  z3_->rethrow_failure();
+  {
     detail::BusyScope busy;
-    for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->unshard_now(u, /*for_good=*/true);
-    z3_->held = true;
+    z3_->reshard_all();  // a unit gathered into the pool (mid-step) is gathered again into memory of its own
   }
-  void release_full_parameters(FullParameters what) override {
-    auto& z = *z3_;
-    detail::BusyScope busy;
-    z.held = false;
-    if (what == FullParameters::loaded) {
-      c10::NoGradGuard no_grad;
-      for (std::size_t b = 0; b < z.shards.size(); ++b) {
-        const std::int64_t shard = z.shards[b].numel();
-        z.shards[b].copy_(z.flat[b].narrow(0, state_->comm->rank() * shard, shard));
-      }
-    }
-    z.reshard_all();
-  }
+  gather_full_parameters();
+  stop_observing();
+  detached_ = true;
+}
 
-  // ------------------------------------------------------------ introspection
-  std::size_t unit_count() const { return z3_->units.size(); }
-  const std::string& unit_name(std::size_t u) const { return z3_->units.at(u).name; }
-  bool unit_gathered(std::size_t u) const { return z3_->units.at(u).state == detail::UnitState::unsharded; }
-  /// Bytes of full (gathered) parameters this rank holds right now.
-  std::int64_t gathered_bytes() const {
-    std::int64_t total = 0;
-    for (const auto& f : z3_->flat) total += static_cast<std::int64_t>(f.storage().nbytes());
-    return total;
-  }
-  /// The largest unit's full parameters, in bytes.
-  std::int64_t largest_unit_bytes() const {
-    std::int64_t largest = 0;
-    for (const auto& unit : z3_->units) {
-      std::int64_t sum = 0;
-      for (auto b : unit.buckets) sum += static_cast<std::int64_t>(z3_->bytes(b));
-      largest = std::max(largest, sum);
-    }
-    return largest;
-  }
+ACCEL_COMPILED_ONCE void ZeRO3Engine::prepare_model(torch::nn::Module& model) {
+  if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
+  collect(model);
+  checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
+  model_ = &model;
+}
 
- private:
-  void back_to_meta() {
-    detail::BusyScope busy;
-    c10::NoGradGuard no_grad;
-    for (auto& p : state_->params) {
-      p.mutable_grad() = at::Tensor();
-      deferred_init::return_to_meta(p);
-    }
-  }
+ACCEL_COMPILED_ONCE void ZeRO3Engine::prepare_meta_model(torch::nn::Module& model, at::Device device) {
+  if (model.parameters().empty()) throw std::logic_error("accel ZeRO<3>: the model has no parameters");
+  deferred_init::check_materializable(model);  // every rank alike, before any collective
+  collect(model, /*broadcast=*/false);
+  agree_on_initialisers(model, *state_->comm, state_->settings.strategy_name);
+  checkpoint_wrapped_units(model, settings_, state_->settings.strategy_name);
+  model_ = &model;
+  materialize_on_ = device;
+}
 
-  std::vector<std::pair<std::string, at::Tensor>> named_parameters_of(std::size_t b) const {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (auto i : state_->buckets[b].params) out.emplace_back(state_->names[i], state_->params[i]);
-    return out;
+ACCEL_COMPILED_ONCE void ZeRO3Engine::prepare_optimizer(torch::optim::Optimizer& optimizer) {
+  auto& s = *state_;
+  if (model_ == nullptr) throw std::logic_error("accel ZeRO<3>: prepare the model before (or with) the optimizer");
+  if (!optimizer.state().empty())
+    throw std::logic_error("accel ZeRO: prepare the optimizer before its first step (its state would be lost)");
+  std::vector<std::string> unit_names;
+  std::vector<std::int64_t> numels;
+  for (const auto& p : s.params) numels.push_back(p.numel());
+  const auto unit_of_param = assign_units(module_tree(*model_, s.params), numels, settings_.auto_wrap_policy,
+                                          settings_.min_num_params, settings_.transformer_layer_cls_to_wrap, unit_names);
+  auto& groups = optimizer.param_groups();
+  // Buckets never straddle units or optimizer groups.
+  plan_buckets([&](const at::Tensor& p) { return optimizer_group_of(groups, p); },
+               [&](std::size_t i) { return static_cast<int>(unit_of_param[i]); });
+  auto& z = *z3_;
+  z.units.resize(unit_names.size());
+  for (std::size_t u = 0; u < unit_names.size(); ++u) z.units[u].name = unit_names[u];
+  z.root = unit_names.size() - 1;
+  const int world = s.comm->size(), rank = s.comm->rank();
+  c10::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+    auto& bucket = s.buckets[b];
+    const std::size_t u = static_cast<std::size_t>(bucket.unit);
+    if (materialize_on_) deferred_init::materialize_each(named_parameters_of(b), *materialize_on_);  // this bucket's only
+    at::Tensor flat = flatten_parameters(b);  // (padded,)
+    const std::int64_t shard = bucket.padded / world;
+    z.flat.push_back(flat);
+    z.shards.push_back(flat.narrow(0, rank * shard, shard).clone().requires_grad_(true));
+    // Built on meta: the unit's full parameters go before the next is computed.
+    if (materialize_on_) detail::set_storage_bytes(flat.storage().unsafeGetStorageImpl(), 0);
+    allocate_gradient_shards(shard, flat.options());
+    z.unit_of_bucket.push_back(u);
+    z.units[u].buckets.push_back(b);
+    z.unit_of_storage[flat.storage().unsafeGetStorageImpl()] = u;
   }
-
-  void require_attached() const {
-    if (detached_) throw std::logic_error("accel ZeRO<3>: the model was unwrapped (unwrap_model): training with this trainer is over");
+  // Built on meta: buffers and frozen parameters, which are not sharded, whole.
+  if (materialize_on_) {
+    deferred_init::materialize_each(deferred_init::meta_tensors_of(*model_), *materialize_on_);
+    deferred_init::forget_replaced();  // the records of the storages just replaced
   }
-
-  void stop_observing() {
-    if (observer_) at::removeCallback(*observer_);
-    observer_.reset();
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
+  if (offload_.enabled()) offload_.attach(z.shards);
+  point_optimizer_at(groups, optimizer_parameters());
+  z.reshard_all();
+  size_collectives();
+  register_hooks();
+  z.owner = std::this_thread::get_id();
+  {
     auto& registry = detail::zero3_registry();
     std::lock_guard<std::mutex> lock(registry.mutex);
-    std::erase(registry.states, z3_.get());
+    registry.states.push_back(z3_.get());
   }
+  observer_ = at::addGlobalCallback(at::RecordFunctionCallback(&detail::zero3_observe).needsInputs(true));
+}
 
-  void launch(std::size_t b) {
-    auto& s = *state_;
-    // Before this bucket's collective allocates its buffers (NOTE [Gradient buckets]).
-    retire_launched();
-    // The unit's gradients are complete: its backward is over, free its parameters (first, for the same reason).
-    auto& unit = z3_->units[z3_->unit_of_bucket[b]];
-    if (++unit.launched == unit.buckets.size()) {
-      detail::BusyScope busy;
-      z3_->reshard(z3_->unit_of_bucket[b]);
+ACCEL_COMPILED_ONCE void ZeRO3Engine::before_forward() {
+  require_attached();
+  z3_->owner = std::this_thread::get_id();  // whichever thread trains now
+  z3_->backward = false;
+  z3_->forward_order.clear();
+  z3_->current = SIZE_MAX;
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::after_forward() {
+  if (detached_) return;  // unwrapped: the model stays whole
+  z3_->rethrow_failure();
+  z3_->last_forward_order = z3_->forward_order;
+  if (z3_->reshard_after_forward) z3_->reshard_all();  // else each unit goes once its backward is done
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::before_backward(const at::Tensor& loss) {
+  require_attached();
+  z3_->owner = std::this_thread::get_id();
+  if (z3_->shards.empty())
+    throw std::logic_error("accel ZeRO<3>: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
+  z3_->rethrow_failure();
+  if (z3_->last_forward_order.empty()) z3_->last_forward_order = z3_->forward_order;
+  z3_->backward = true;
+  for (auto& unit : z3_->units) unit.launched = 0;
+  mark_unused_ready(loss);
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::reduce_gradients() {
+  z3_->rethrow_failure();  // a gather of the backward failed
+  wait_for_buckets(work_, [&](std::size_t b) { finish_reduce_scatter(b, grad_shards_[b], received_[b]); });
+  release_full_gradients();
+  set_shards_hold_reduced(true);
+  z3_->backward = false;
+  z3_->reshard_all();
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::zero_grad(torch::optim::Optimizer&) {
+  for (auto& g : grad_shards_) g.zero_();
+  set_shards_hold_reduced(false);
+  if (offload_.enabled()) offload_.zero_grad();
+}
+
+ACCEL_COMPILED_ONCE const std::vector<at::Tensor>& ZeRO3Engine::device_shards() const { return z3_->shards; }
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::parameters_loaded() {
+  z3_->reshard_all();  // a full parameter buffer gathered before the load holds the old values
+  if (offload_.enabled()) offload_.parameters_from_device(z3_->shards);
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::gather_full_parameters() {
+  z3_->rethrow_failure();
+  detail::BusyScope busy;
+  for (std::size_t u = 0; u < z3_->units.size(); ++u) z3_->unshard_now(u, /*for_good=*/true);
+  z3_->held = true;
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::release_full_parameters(FullParameters what) {
+  auto& z = *z3_;
+  detail::BusyScope busy;
+  z.held = false;
+  if (what == FullParameters::loaded) {
+    c10::NoGradGuard no_grad;
+    for (std::size_t b = 0; b < z.shards.size(); ++b) {
+      const std::int64_t shard = z.shards[b].numel();
+      z.shards[b].copy_(z.flat[b].narrow(0, state_->comm->rank() * shard, shard));
     }
-    auto& grad = s.buckets[b].grad;
-    pre_divide(grad);
-    work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b],
-                                     "reduce-scatter of ZeRO-3 gradient bucket " + std::to_string(b));
   }
+  z.reshard_all();
+}
 
-  ZeRO<3> settings_;
-  std::shared_ptr<detail::ZeRO3State> z3_;
-  torch::nn::Module* model_ = nullptr;
-  std::optional<at::CallbackHandle> observer_;
-  bool detached_ = false;
-  std::optional<at::Device> materialize_on_;  // set for a model built on meta
-};
+ACCEL_COMPILED_ONCE std::size_t ZeRO3Engine::unit_count() const { return z3_->units.size(); }
+ACCEL_COMPILED_ONCE const std::string& ZeRO3Engine::unit_name(std::size_t u) const { return z3_->units.at(u).name; }
+ACCEL_COMPILED_ONCE bool ZeRO3Engine::unit_gathered(std::size_t u) const {
+  return z3_->units.at(u).state == detail::UnitState::unsharded;
+}
+
+ACCEL_COMPILED_ONCE std::int64_t ZeRO3Engine::gathered_bytes() const {
+  std::int64_t total = 0;
+  for (const auto& f : z3_->flat) total += static_cast<std::int64_t>(f.storage().nbytes());
+  return total;
+}
+
+ACCEL_COMPILED_ONCE std::int64_t ZeRO3Engine::largest_unit_bytes() const {
+  std::int64_t largest = 0;
+  for (const auto& unit : z3_->units) {
+    std::int64_t sum = 0;
+    for (auto b : unit.buckets) sum += static_cast<std::int64_t>(z3_->bytes(b));
+    largest = std::max(largest, sum);
+  }
+  return largest;
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::back_to_meta() {
+  detail::BusyScope busy;
+  c10::NoGradGuard no_grad;
+  for (auto& p : state_->params) {
+    p.mutable_grad() = at::Tensor();
+    deferred_init::return_to_meta(p);
+  }
+}
+
+ACCEL_COMPILED_ONCE auto ZeRO3Engine::named_parameters_of(std::size_t b) const
+    -> std::vector<std::pair<std::string, at::Tensor>> {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto i : state_->buckets[b].params) out.emplace_back(state_->names[i], state_->params[i]);
+  return out;
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::require_attached() const {
+  if (detached_) throw std::logic_error("accel ZeRO<3>: the model was unwrapped (unwrap_model): training with this trainer is over");
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::stop_observing() {
+  if (observer_) at::removeCallback(*observer_);
+  observer_.reset();
+  auto& registry = detail::zero3_registry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  std::erase(registry.states, z3_.get());
+}
+
+ACCEL_COMPILED_ONCE void ZeRO3Engine::launch(std::size_t b) {
+  auto& s = *state_;
+  // Before this bucket's collective allocates its buffers (NOTE [Gradient buckets]).
+  retire_launched();
+  // The unit's gradients are complete: its backward is over, free its parameters (first, for the same reason).
+  auto& unit = z3_->units[z3_->unit_of_bucket[b]];
+  if (++unit.launched == unit.buckets.size()) {
+    detail::BusyScope busy;
+    z3_->reshard(z3_->unit_of_bucket[b]);
+  }
+  auto& grad = s.buckets[b].grad;
+  pre_divide(grad);
+  work_[b] = reduce_scatter_bucket(b, grad_shards_[b], received_[b],
+                                   "reduce-scatter of ZeRO-3 gradient bucket " + std::to_string(b));
+}
 
 }  // namespace accel::strategy
+#endif  // ACCEL_DEFINE_COMPILED_ONCE
