@@ -981,8 +981,8 @@ TEST_CASE("estimate-memory: per-rank bytes of a shape under each strategy, hand-
   auto units = rows({"--num_processes", "4", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "60",
                      "--optimizer", "sgd_momentum", "--mixed_precision", "bf16"});
   CHECK(state(units["ZeRO-3/4"]) == V{284, 284, 284, 0, 0, 0});
-  // The two largest units (128 and 104 elements, 512 + 416 bytes) in flight, gathered and as gradient buckets.
-  CHECK(units["ZeRO-3/4"]["step_buffers"].get<std::int64_t>() == 2 * (512 + 416));
+  // Kept step buffers: gathered, the root and the two other units; as gradients, the largest two adjacent buckets.
+  CHECK(units["ZeRO-3/4"]["step_buffers"].get<std::int64_t>() == 4 * ((52 + 104 + 128) + (104 + 128)));
   CHECK(state(units["DDP/4"]) == V{1120, 1120, 1120, 0, 0, 0});
   CHECK(units["DDP/4"]["activations"].is_null());  // no formula under autocast
 

@@ -215,9 +215,11 @@ inline int estimate_memory(const EstimateRequest& request) {
       "\nper rank: parameters + gradients + optimizer + step buffers + activations on the training device; host:\n"
       "what cpu_offload keeps in host memory. Model state is as held between steps; within a step ZeRO-2 also\n"
       "holds full-size gradient buckets during backward, and the optimizer its temporaries. Step buffers: what\n"
-      "ZeRO-3 and HybridShard keep for the next step, their two largest units gathered (the one computing, the\n"
-      "one prefetched; with reshard_after_forward false, FSDP2's SHARD_GRAD_OP, every unit) and as gradient\n"
-      "buckets. Units of very different sizes can keep a buffer each, and Gloo's reduce-scatter up to two more.\n");
+      "ZeRO-3 and HybridShard keep for the next step: gathered, the root unit (what no wrapped module took) and\n"
+      "the two largest others, the one computing and the one prefetched (with reshard_after_forward false,\n"
+      "FSDP2's SHARD_GRAD_OP, every unit); as gradients, the largest two adjacent buckets. Units of very different\n"
+      "sizes can keep more (a buffer each), Gloo's reduce-scatter a receive buffer; on CUDA the caching allocator\n"
+      "keeps them reserved.\n");
   if (!activations)
     std::printf("Activations (-): estimated for fp32 only; under %s autocast measure one step with\n"
                 "accel::estimate::peak_bytes_during.\n",

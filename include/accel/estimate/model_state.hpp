@@ -70,9 +70,13 @@ inline std::int64_t planned_bytes(const std::vector<strategy::ParameterSlot>& sl
   return bytes;
 }
 
-// ZeRO-3's plan: one bucket per (kind, group, unit), padded to `shards`;
-// the bytes of each unit's buckets.
-inline std::vector<std::int64_t> zero3_unit_bytes(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
+// ZeRO-3's plan: one bucket per (kind, group, unit) run, padded to
+// `shards`; the bytes of each bucket, in the order of the parameters, and
+// of each unit (the root unit, what no wrapped module took, last).
+struct Zero3Plan {
+  std::vector<std::int64_t> bucket_bytes, unit_bytes;
+};
+inline Zero3Plan zero3_plan(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
   std::vector<std::int64_t> numels;
   for (const auto& p : shape.params) numels.push_back(p.numel);
   std::vector<std::string> unit_names;
@@ -80,17 +84,18 @@ inline std::vector<std::int64_t> zero3_unit_bytes(const ModelShape& shape, const
                                             settings.transformer_layer_cls_to_wrap, unit_names);
   auto slots = shape.params;
   for (std::size_t i = 0; i < slots.size(); ++i) slots[i].unit = static_cast<int>(units[i]);
-  std::vector<std::int64_t> bytes(unit_names.size(), 0);
+  Zero3Plan plan{{}, std::vector<std::int64_t>(unit_names.size(), 0)};
   for (const auto& bucket : strategy::plan_buckets(slots, {.caps = std::nullopt, .pad_to_multiple = shards})) {
     const auto& first = slots[bucket.params.front()];
-    bytes[static_cast<std::size_t>(first.unit)] += bucket.padded * first.element_size;
+    plan.bucket_bytes.push_back(bucket.padded * first.element_size);
+    plan.unit_bytes[static_cast<std::size_t>(first.unit)] += plan.bucket_bytes.back();
   }
-  return bytes;
+  return plan;
 }
 
 inline std::int64_t zero3_planned_bytes(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
   std::int64_t total = 0;
-  for (auto b : zero3_unit_bytes(shape, settings, shards)) total += b;
+  for (auto b : zero3_plan(shape, settings, shards).bucket_bytes) total += b;
   return total;
 }
 
@@ -158,19 +163,24 @@ inline ModelStateBytes model_state(const ModelShape& shape, const HybridShard& s
 /// NOTE [Step buffers in the estimate]
 /// What ZeRO-3 and HybridShard keep beside the model state between steps:
 /// the step's buffers, which the engine's pool holds for its life (NOTE
-/// [Buffers that live as long as the engine] in device/buffer_pool.hpp). A
-/// step has two units in flight at once, gathered (the one that computes and
-/// the one prefetched for backward) and as full gradient buckets (the one
-/// filling and the one reduce-scattering): the estimate is twice the two
-/// largest units (with reshard_after_forward = false, every unit stays
-/// gathered from its forward to its backward: all units plus the two
-/// largest). A pool block serves requests of at least half its size, so
-/// units of very different sizes each keep blocks of their own: up to one
-/// gathered and one gradient block per unit (`most`; a model whose units are
-/// alike, a transformer's blocks, keeps the estimate). On Gloo the
-/// reduce-scatter's all-to-all also receives into buffers of its own, one
-/// per bucket in flight, counted in `most` (NCCL's receives in place).
-/// Every other strategy keeps none.
+/// [Buffers that live as long as the engine] in device/buffer_pool.hpp), as
+/// many as the step has in flight at once (strategy/zero3.hpp):
+/// - gathered units: the root unit (what no wrapped module took, often the
+///   embeddings and the head) stays gathered through the forward and, once
+///   backward reaches it, until its last bucket is reduced; beside it the
+///   unit that computes and the one prefetched. So the root and the two
+///   largest other units; with reshard_after_forward = false every unit,
+///   from its forward to its backward;
+/// - full gradient buckets: the one filling and the one reduce-scattering,
+///   neighbours in the parameters' order: the largest two adjacent buckets.
+/// A pool block serves requests of at least half its size, so units of very
+/// different sizes each keep blocks of their own: up to one gathered and one
+/// gradient block per unit (`most`). On Gloo the reduce-scatter's
+/// all-to-all also receives into buffers of its own, one launched bucket at
+/// a time, also in `most` (NCCL's receives in place).
+/// The pool keeps host memory; on CUDA the caching allocator keeps the same
+/// blocks reserved for the next step (torch.cuda.memory_reserved), so the
+/// figure is counted on every device. Every other strategy keeps none.
 struct StepBuffers {
   std::int64_t bytes = 0;  ///< gathered units and gradient buckets in flight
   std::int64_t most = 0;   ///< what the pool can keep: a block per unit and kind, and Gloo's receive buffers
@@ -178,14 +188,19 @@ struct StepBuffers {
 
 inline StepBuffers step_buffers(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
   detail::check_world(shards, "ZeRO-3");
-  auto units = detail::zero3_unit_bytes(shape, settings, shards);
-  std::sort(units.begin(), units.end(), std::greater<>{});
+  const auto plan = detail::zero3_plan(shape, settings, shards);
   std::int64_t all = 0;
-  for (auto b : units) all += b;
-  const std::int64_t in_flight = units.empty() ? 0 : units[0] + (units.size() > 1 ? units[1] : 0);
-  const std::int64_t gathered = settings.reshard_after_forward ? in_flight : all;
-  const std::int64_t bytes = gathered + in_flight;
-  return {bytes, std::max(bytes, 2 * all) + in_flight};
+  for (auto b : plan.unit_bytes) all += b;
+  std::vector<std::int64_t> others(plan.unit_bytes.begin(), plan.unit_bytes.end() - 1);  // the root is last
+  std::sort(others.begin(), others.end(), std::greater<>{});
+  std::int64_t gathered = plan.unit_bytes.back();
+  for (std::size_t i = 0; i < others.size() && i < 2; ++i) gathered += others[i];
+  if (!settings.reshard_after_forward) gathered = all;
+  std::int64_t gradients = plan.bucket_bytes.empty() ? 0 : plan.bucket_bytes.front();
+  for (std::size_t b = 1; b < plan.bucket_bytes.size(); ++b)
+    gradients = std::max(gradients, plan.bucket_bytes[b - 1] + plan.bucket_bytes[b]);
+  const std::int64_t bytes = gathered + gradients;
+  return {bytes, std::max(bytes, 2 * all) + gradients};
 }
 inline StepBuffers step_buffers(const ModelShape& shape, const HybridShard& settings, int world) {
   model_state(shape, settings, world);  // the same checks of the shard group
