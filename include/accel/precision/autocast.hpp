@@ -53,6 +53,10 @@ template <>
 class AutocastScope<FP32> {
  public:
   explicit AutocastScope(c10::DeviceType) {}
+  // User-provided, as the other scopes' is: `auto scope = trainer.autocast();`
+  // then reads as RAII under FP32 too, not as a variable set but never used
+  // (g++ -Wall warned on the README's own loop, examples/gan.cpp).
+  ~AutocastScope() {}
 };
 
 }  // namespace accel::precision
