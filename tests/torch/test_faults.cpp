@@ -4,6 +4,7 @@
 // (NOTE [Debug mode]), main_process_first, on_main_process,
 // set_trigger/check_trigger.
 // Ranks are forked as torchrun or srun would start them (no `accel launch`).
+#include <nlohmann/json.hpp>  // gather_object of JSON values (accel declares it only when compiled once)
 #include <torch/optim/sgd.h>
 
 #include <csignal>

@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/sort.h>
+#include <nlohmann/json.hpp>  // gather_object (accel declares it only when compiled once)
 #include <torch/optim/sgd.h>
 
 #include <csignal>
