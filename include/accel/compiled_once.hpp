@@ -32,6 +32,7 @@
 #include "accel/compat/torch_compat.hpp"
 #include "accel/deferred_init/meta.hpp"
 #include "accel/launch/settings.hpp"
+#include "accel/nn/activation_checkpoint.hpp"
 #include "accel/strategy/autograd_graph.hpp"
 #include "accel/strategy/bucket_plan.hpp"
 #include "accel/strategy/buckets.hpp"

@@ -33,7 +33,9 @@
 #include <vector>
 
 #include "accel/compat/torch_compat.hpp"
+#include "accel/core/compiled_once.hpp"
 #include "accel/device/random_state.hpp"
+#include "accel/nn/entry_module.hpp"
 
 namespace accel::nn {
 
@@ -184,10 +186,15 @@ class CheckpointedEntryImpl : public torch::nn::Module {
   std::string path_;
 };
 
-/// The module a Sequential entry runs: the one it checkpoints, if it does.
-inline std::shared_ptr<torch::nn::Module> entry_module(const torch::nn::AnyModule& entry) {
+}  // namespace accel::nn
+
+#if ACCEL_DEFINE_COMPILED_ONCE
+namespace accel::nn {
+
+ACCEL_COMPILED_ONCE std::shared_ptr<torch::nn::Module> entry_module(const torch::nn::AnyModule& entry) {
   if (auto* checkpointed = dynamic_cast<CheckpointedEntryImpl*>(entry.ptr().get())) return checkpointed->module();
   return entry.ptr();
 }
 
 }  // namespace accel::nn
+#endif  // ACCEL_DEFINE_COMPILED_ONCE

@@ -42,7 +42,7 @@
 
 #include "accel/comm/communicator.hpp"
 #include "accel/core/policies.hpp"
-#include "accel/nn/activation_checkpoint.hpp"
+#include "accel/nn/entry_module.hpp"
 
 namespace accel::pipeline {
 
