@@ -4,9 +4,9 @@
 // step, Accelerate's epoch and scheduler rules and its helper calls (the
 // Python Accelerate's own results in the "accelerate" suite).
 #include <ATen/ops/allclose.h>
-#include <nlohmann/json.hpp>  // gather_object of JSON values (accel declares it only when compiled once)
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
+#include <nlohmann/json.hpp>  // gather_object of JSON values (accel declares it only when compiled once)
 #include <torch/data/datasets/base.h>
 #include <torch/data/datasets/map.h>
 #include <torch/data/example.h>

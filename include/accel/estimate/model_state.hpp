@@ -173,24 +173,26 @@ inline ModelStateBytes model_state(const ModelShape& shape, const HybridShard& s
 ///   from its forward to its backward;
 /// - full gradient buckets: the one filling and the one reduce-scattering,
 ///   neighbours in the parameters' order: the largest two adjacent buckets.
-/// `gathered` alone is certain: those units are gathered at once (the
-/// backward's unit, the one prefetched and the root), each in a block of its
-/// own. The gradient buckets come and go between them, and a pool block
-/// serves any request of at least half its size: a bucket may take a block a
-/// unit gave back, or find none that fits and allocate, as the threads'
-/// timing goes (the GPT case of test_estimate, on 2 ranks, keeps 11% to 24%
-/// more than `bytes`; the tests hold it between `gathered` and `most`). Units of very different sizes each keep
-/// blocks of their own: up to one gathered and one gradient block per unit
-/// (`most`). On Gloo the reduce-scatter's
-/// all-to-all also receives into buffers of its own, one launched bucket at
-/// a time, also in `most` (NCCL's receives in place).
+/// `gathered` is the part the pool must keep: those units are gathered at
+/// once (the root, the unit in backward and the one it prefetches), each in
+/// a block of its own, where the two largest other units are neighbours in
+/// the forward (equal blocks, as a transformer's; else it counts a pair that
+/// may never meet). The gradient buckets come and go between them, and a
+/// pool block serves any request of at least half its size: a bucket may
+/// take a block a unit gave back, or find none that fits and allocate, as
+/// the threads' timing goes (the GPT case of test_estimate, on 2 ranks,
+/// keeps 11% to 24% more than `bytes`; the tests hold it between `gathered`
+/// and `most`). Units of very different sizes each keep blocks of their own:
+/// up to one gathered and one gradient block per unit (`most`). On Gloo the
+/// reduce-scatter's all-to-all also receives into buffers of its own, one
+/// launched bucket at a time, also in `most` (NCCL's receives in place).
 /// The pool keeps host memory; on CUDA the caching allocator keeps the same
 /// blocks reserved for the next step (torch.cuda.memory_reserved), so the
 /// figure is counted on every device. Every other strategy keeps none.
 struct StepBuffers {
   std::int64_t gathered = 0;  ///< the units gathered at once: the least the pool keeps
   std::int64_t bytes = 0;     ///< those and the gradient buckets in flight: what it typically keeps
-  std::int64_t most = 0;   ///< what the pool can keep: a block per unit and kind, and Gloo's receive buffers
+  std::int64_t most = 0;      ///< what the pool can keep: a block per unit and kind, and Gloo's receive buffers
 };
 
 inline StepBuffers step_buffers(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
