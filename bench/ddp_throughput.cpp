@@ -29,7 +29,9 @@
 //                            library kept) and the activations' estimate (bench/memory_peaks.sh: the table);
 //                            with --phases, also the allocated peak within each phase (where a peak is reached)
 //   --return_host_memory 1   freed host blocks over 1 MiB go back to the system (NOTE [Returning host
-//                            memory], TrainerOptions::return_host_memory)
+//                            memory], TrainerOptions::return_host_memory; the cache is then off)
+//   --cache_host_memory 0    host blocks of 1 MiB or more are not kept for reuse (NOTE [Host blocks kept
+//                            for reuse], TrainerOptions::cache_host_memory, on by default)
 //   --build_on_meta 1        zero3: the model built on the meta device, each rank computing only its
 //                            shards at prepare (NOTE [Models built on meta])
 //
@@ -172,6 +174,9 @@ int run(int argc, char** argv, const std::string& strategy_name) {
     return EXIT_FAILURE;
   }
 
+  accel::TrainerOptions options;
+  options.return_host_memory = flag(argc, argv, "return_host_memory", "0") == "1";
+  options.cache_host_memory = flag(argc, argv, "cache_host_memory", "1") == "1";
   Strategy settings;
   auto& sharding = sharding_settings(settings);
   sharding.bucket_cap_mb = std::stod(flag(argc, argv, "bucket_cap_mb", std::to_string(sharding.bucket_cap_mb)));
@@ -214,7 +219,7 @@ int run(int argc, char** argv, const std::string& strategy_name) {
       },
       .loss = [](const at::Tensor& logits, const at::Tensor& target) { return at::cross_entropy_loss(logits, target); }};
   const auto result =
-      accel::bench::compare(workload, {.warmup = warmup, .steps = steps, .rounds = 1, .print = false}, settings).front();
+      accel::bench::compare(workload, {.warmup = warmup, .steps = steps, .rounds = 1, .print = false, .trainer = options}, settings).front();
   const char* rank_text = std::getenv("RANK");
   const bool main_process = rank_text == nullptr || std::string(rank_text) == "0";
   if (!result.ok) {
@@ -225,7 +230,7 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   if (phase_steps <= 0 && comm_probe <= 0) return EXIT_SUCCESS;
 
   // The phase split and the communication probe, on a Trainer of their own.
-  accel::Trainer<Strategy> trainer{settings};
+  accel::Trainer<Strategy> trainer{settings, options};
   trainer.set_seed(0);
   bench::MLP model(widths);
   auto optimizer_owner = make_optimizer(model->parameters());
@@ -387,8 +392,6 @@ int main(int argc, char** argv) {
   const std::string strategy = flag(argc, argv, "strategy", "ddp");
   std::optional<accel::device::HostAllocationCounter> counter;
   if (flag(argc, argv, "memory", "0") == "1") memory_counter = &counter.emplace();
-  // What TrainerOptions{.return_host_memory = true} does, for the whole process.
-  if (flag(argc, argv, "return_host_memory", "0") == "1") accel::device::return_freed_host_memory();
   int status = EXIT_FAILURE;
   if (strategy == "ddp") status = run<accel::DDP>(argc, argv, strategy);
   else if (strategy == "zero1") status = run<accel::ZeRO<1>>(argc, argv, strategy);
@@ -403,10 +406,14 @@ int main(int argc, char** argv) {
     const auto widths = parse_widths(flag(argc, argv, "widths", "512,1024,1024,1024,10"));
     const auto activations =
         accel::estimate::activation_bytes(accel::estimate::MlpShape{widths}, std::stoll(flag(argc, argv, "batch", "64")));
-    std::printf("MEMORY rank=%s allocated_peak_bytes=%lld resident_peak_bytes=%lld activation_bytes=%lld\n",
+    accel::device::HostBlockCache::Stats cache;
+    if (const auto* installed = accel::device::HostBlockCache::installed()) cache = installed->stats();
+    std::printf("MEMORY rank=%s allocated_peak_bytes=%lld resident_peak_bytes=%lld activation_bytes=%lld "
+                "cache_most_in_use_bytes=%lld cache_mapped=%lld cache_unmapped=%lld\n",
                 rank ? rank : "0", static_cast<long long>(std::max(whole_run_peak, counter->peak_bytes())),
                 static_cast<long long>(accel::device::peak_memory_bytes(at::Device(at::kCPU))),
-                static_cast<long long>(activations));
+                static_cast<long long>(activations), static_cast<long long>(cache.most_in_use),
+                static_cast<long long>(cache.mapped), static_cast<long long>(cache.unmapped));
   }
   return status;
 }

@@ -10,15 +10,18 @@
 #
 #   bench/memory_peaks.sh [BUILD_DIR]          # default: build
 #
-# Three peaks per run, the worst rank's: "allocated", the most LibTorch had
+# Four peaks per run, the worst rank's: "allocated", the most LibTorch had
 # allocated at once (counted at its allocator); "resident", the resident set
-# (VmHWM) with glibc's malloc as it comes; "returned", the resident set with
-# freed blocks over 1 MiB given back to the system (NOTE [Returning host
-# memory], TrainerOptions::return_host_memory), compared with the expectation.
+# (VmHWM) as the Trainer leaves it by default, with host blocks kept for reuse
+# (NOTE [Host blocks kept for reuse], TrainerOptions::cache_host_memory), and
+# how far that is from the expectation; "uncached", the resident set with
+# glibc's malloc as it comes (--cache_host_memory 0, the default before the
+# cache); "returned", the resident set with freed blocks over 1 MiB given back
+# to the system (NOTE [Returning host memory], TrainerOptions::return_host_memory).
 # Environment: WIDTHS (default 512,2048 x10,10: 38.8 M parameters, 148 MiB;
 # each layer 16 MiB, one ZeRO-3 unit), RANKS ("2 3"), STEPS (timed steps, default 3;
 # glibc's heaps grow over more of them, ZeRO-3's step buffers do not).
-# Takes about 3 minutes on the 2-core development VM.
+# Takes about 4 minutes on the 2-core development VM.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
@@ -32,13 +35,13 @@ launcher="$build/tools/accel"
 log="$(mktemp -d)"
 trap 'rm -rf "$log"' EXIT
 
-# run OUT RANKS STRATEGY WIDTHS [RETURN]: one run's output in OUT (STRATEGY zero3-meta: ZeRO-3 with the
-# model built on the meta device)
+# run OUT RANKS STRATEGY WIDTHS [RETURN [CACHE]]: one run's output in OUT (STRATEGY zero3-meta: ZeRO-3
+# with the model built on the meta device)
 run() {
   local strategy="${3%-meta}" meta=0
   [[ "$3" == *-meta ]] && meta=1
   "$launcher" launch -q --num_processes "$2" "$prog" --strategy "$strategy" --optimizer adam --widths "$4" --steps "${STEPS:-3}" \
-    --warmup 1 --phases 0 --memory 1 --return_host_memory "${5:-0}" --build_on_meta "$meta" >"$1" 2>&1 ||
+    --warmup 1 --phases 0 --memory 1 --return_host_memory "${5:-0}" --cache_host_memory "${6:-1}" --build_on_meta "$meta" >"$1" 2>&1 ||
     { cat "$1" >&2; exit 1; }
 }
 # the largest value of FIELD over the MEMORY lines of OUT
@@ -47,13 +50,14 @@ result() { grep -o "RESULT .*" "$1" | grep -o "\b$2=[0-9]*" | head -1 | cut -d= 
 mib() { awk -v b="$1" 'BEGIN { printf "%.0f", b / 1048576 }'; }
 
 echo "widths $widths, Adam, batch 64 per rank; MiB per rank (worst rank)"
-fmt='%-6s %-9s %12s %12s %9s %9s %10s %10s %10s %12s\n'
-printf "$fmt" ranks strategy model_state activations baseline expected allocated resident returned vs_expected
+fmt='%-6s %-10s %11s %11s %8s %8s %9s %8s %11s %8s %8s\n'
+printf "$fmt" ranks strategy model_state activations baseline expected allocated resident vs_expected uncached returned
 for n in $ranks_list; do
   run "$log/base" "$n" ddp 8,8 1
   baseline="$(worst "$log/base" resident_peak_bytes)"
   for s in ddp zero1 zero2 zero3 zero3-meta; do
     run "$log/$s" "$n" "$s" "$widths"
+    run "$log/$s.uncached" "$n" "$s" "$widths" 0 0
     run "$log/$s.returned" "$n" "$s" "$widths" 1
     state=$(($(result "$log/$s" param_bytes) + $(result "$log/$s" grad_bytes) + $(result "$log/$s" optim_bytes)))
     # ZeRO-3: the step buffers it keeps (NOTE [Buffers that live as long as the engine]), sized by what a
@@ -64,9 +68,10 @@ for n in $ranks_list; do
       awk 'NR > 1 { n = prev * $1 + $1; if (n > m) m = n } { prev = $1 } END { print m }')))
     activations="$(worst "$log/$s" activation_bytes)"
     expected=$((state + activations + baseline))
-    returned="$(worst "$log/$s.returned" resident_peak_bytes)"
+    resident="$(worst "$log/$s" resident_peak_bytes)"
     printf "$fmt" "$n" "$s" "$(mib "$state")" "$(mib "$activations")" "$(mib "$baseline")" "$(mib "$expected")" \
-      "$(mib "$(worst "$log/$s" allocated_peak_bytes)")" "$(mib "$(worst "$log/$s" resident_peak_bytes)")" \
-      "$(mib "$returned")" "$(awk -v r="$returned" -v e="$expected" 'BEGIN { printf "%+.0f%%", 100 * (r - e) / e }')"
+      "$(mib "$(worst "$log/$s" allocated_peak_bytes)")" "$(mib "$resident")" \
+      "$(awk -v r="$resident" -v e="$expected" 'BEGIN { printf "%+.0f%%", 100 * (r - e) / e }')" \
+      "$(mib "$(worst "$log/$s.uncached" resident_peak_bytes)")" "$(mib "$(worst "$log/$s.returned" resident_peak_bytes)")"
   done
 done

@@ -72,7 +72,10 @@ class DeviceMesh {
     static const char* names[] = {"tensor", "data", "pipeline"};
     std::string name = names[d];
     for (int k = 0; k < 3; ++k)
-      if (k != d) name += "/" + std::to_string(coordinates_[k]);
+      if (k != d) {
+        name += '/';  // two appends: GCC 12 warns (-Wrestrict) on "/" + std::string&& here
+        name += std::to_string(coordinates_[k]);
+      }
     return world_.subgroup(name, members);
   }
 

@@ -5,7 +5,9 @@
 // is the most that was live at any instant, activations and temporaries
 // included, which the resident set (VmHWM) blurs with the allocator's and
 // the kernel's page reuse. The memory tests and `accel estimate-memory`'s
-// checks measure with it.
+// checks measure with it. When the host block cache is installed
+// (device/host_block_cache.hpp) it goes under the counter, which counts what
+// tensors hold, not the blocks the cache keeps.
 
 #include <c10/core/CPUAllocator.h>
 
@@ -34,10 +36,12 @@ class HostAllocationCounter {
    public:
     Counting(c10::Allocator* inner, std::shared_ptr<Counts> counts) : inner_(inner), counts_(std::move(counts)) {}
     c10::DeleterFnPtr raw_deleter() const override { return &release; }
+    c10::Allocator* inner() const { return inner_.load(); }
+    void set_inner(c10::Allocator* inner) { inner_.store(inner); }
 
    protected:
     c10::DataPtr allocate_bytes(std::size_t n) override {
-      auto memory = inner_->allocate(n);
+      auto memory = inner_.load()->allocate(n);
       void* data = memory.get();
       if (data == nullptr) return memory;  // nothing to count (0 bytes)
       const auto bytes = static_cast<std::int64_t>(n);
@@ -78,19 +82,19 @@ class HostAllocationCounter {
       }
       held.counts->live.fetch_sub(held.bytes);
     }  // `held.memory` frees through the inner allocator here
-    c10::Allocator* inner_;
+    std::atomic<c10::Allocator*> inner_;
     std::shared_ptr<Counts> counts_;
   };
 
  public:
   /// Installs the counter as LibTorch's CPU allocator until destroyed. One
   /// at a time; tensors allocated before it are not counted.
-  HostAllocationCounter() : inner_(c10::GetCPUAllocator()), counting_(inner_, counts_) {
-    if (dynamic_cast<Counting*>(inner_) != nullptr)
+  HostAllocationCounter() : counting_(c10::GetCPUAllocator(), counts_) {
+    if (dynamic_cast<Counting*>(counting_.inner()) != nullptr)
       throw std::logic_error("accel HostAllocationCounter: one is already installed (they do not nest)");
     c10::SetCPUAllocator(&counting_, kPriority);
   }
-  ~HostAllocationCounter() { c10::SetCPUAllocator(inner_, kPriority); }
+  ~HostAllocationCounter() { c10::SetCPUAllocator(counting_.inner(), kPriority); }
   HostAllocationCounter(const HostAllocationCounter&) = delete;
   HostAllocationCounter& operator=(const HostAllocationCounter&) = delete;
 
@@ -101,11 +105,21 @@ class HostAllocationCounter {
   /// Starts a new peak from what is live now.
   void reset_peak() { counts_->peak.store(counts_->live.load()); }
 
+  /// Puts `below` between the installed counter (if LibTorch's CPU allocator
+  /// is one) and the allocator it wraps; returns that allocator, or null when
+  /// no counter is installed. `below` must forward to what it returns.
+  static c10::Allocator* insert_below_installed(c10::Allocator* below) {
+    auto* counting = dynamic_cast<Counting*>(c10::GetCPUAllocator());
+    if (counting == nullptr) return nullptr;
+    auto* inner = counting->inner();
+    counting->set_inner(below);
+    return inner;
+  }
+
  private:
   // Above the default registration's, so that restoring also wins.
   static constexpr std::uint8_t kPriority = 200;
   std::shared_ptr<Counts> counts_ = std::make_shared<Counts>();
-  c10::Allocator* inner_;
   Counting counting_;
 };
 
