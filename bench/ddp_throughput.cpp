@@ -30,7 +30,7 @@
 //                            with --phases, also the allocated peak within each phase (where a peak is reached)
 //   --return_host_memory 1   freed host blocks over 1 MiB go back to the system (NOTE [Returning host
 //                            memory], TrainerOptions::return_host_memory; the cache is then off)
-//   --cache_host_memory 0    host blocks of 1 MiB or more are not kept for reuse (NOTE [Host blocks kept
+//   --cache_host_memory 0    host blocks of 128 KiB or more are not kept for reuse (NOTE [Host blocks kept
 //                            for reuse], TrainerOptions::cache_host_memory, on by default)
 //   --build_on_meta 1        zero3: the model built on the meta device, each rank computing only its
 //                            shards at prepare (NOTE [Models built on meta])
