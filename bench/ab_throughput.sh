@@ -9,8 +9,10 @@
 #        ninja -C /tmp/head/build bench/ddp_throughput &&
 #        bash bench/ab_throughput.sh /tmp/head/build build 5 "ddp zero2 zero3"
 # Each build must hold bench/ddp_throughput; build B's tools/accel launches both.
-# Environment: RANKS (default 2), ARGS (more ddp_throughput flags, e.g.
-# "--shard_group_size 2" for hybrid on RANKS=4).
+# Environment: RANKS (default 2), STEPS (timed steps per run, default 40: the
+# default model's runs take about a second, and single rounds range 0.85-1.2;
+# 200 steps narrow that), WARMUP (default 5), ARGS (more ddp_throughput flags,
+# e.g. "--shard_group_size 2" for hybrid on RANKS=4, or --widths).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 a="$1"; b="$2"; rounds="${3:-5}"; strategies="${4:-ddp zero2}"
@@ -23,7 +25,7 @@ log="$(mktemp -d)"; trap 'rm -rf "$log"' EXIT
 rate() {  # global samples/s of one run of build $1 with strategy $2
   # shellcheck disable=SC2086  # ARGS: several flags
   "$launcher" launch -q --num_processes "${RANKS:-2}" --timeout 300 "$1/bench/ddp_throughput" --strategy "$2" \
-    --optimizer adam --steps 40 --warmup 5 --phases 0 ${ARGS:-} > "$log/out" 2>&1 || { cat "$log/out" >&2; exit 1; }
+    --optimizer adam --steps "${STEPS:-40}" --warmup "${WARMUP:-5}" --phases 0 ${ARGS:-} > "$log/out" 2>&1 || { cat "$log/out" >&2; exit 1; }
   grep -o "RESULT .*" "$log/out" | tail -1 | grep -o "global_samples_per_s=[0-9.]*" | cut -d= -f2
 }
 for strategy in $strategies; do

@@ -3,8 +3,9 @@
 # on 2 and 3 ranks, beside what each should hold: its model state (the
 # Trainer's own count, which the estimate suite checks against the formulas
 # to the byte; ZeRO-3's plus the step buffers it keeps, four of its largest
-# units) + the activations (estimate) + the process baseline (the
-# same program on the same launcher with an 8x8 model). Adam, batch 64 per rank.
+# units; ZeRO-2's plus its gradient buckets in flight) + the activations
+# (estimate) + the process baseline (the same program on the same launcher
+# with an 8x8 model). Adam, batch 64 per rank.
 # zero3-meta: ZeRO-3 with the model built on the meta device (each rank computes
 # only its shards at prepare, NOTE [Models built on meta]).
 #
@@ -48,6 +49,23 @@ run() {
 worst() { grep -o "MEMORY .*" "$1" | grep -o "\b$2=[0-9]*" | cut -d= -f2 | sort -n | tail -1; }
 result() { grep -o "RESULT .*" "$1" | grep -o "\b$2=[0-9]*" | head -1 | cut -d= -f2; }
 mib() { awk -v b="$1" 'BEGIN { printf "%.0f", b / 1048576 }'; }
+# bytes of the largest two adjacent gradient buckets: ZeRO-2's plan of the MLP
+# WIDTHS (strategy/bucket_plan.hpp: parameters in reverse order, weight then bias per layer, a bucket
+# closing once it holds its cap, 1 MiB for the first and 25 MiB after it, accel's defaults)
+in_flight_buckets() {
+  echo "$1" | tr ',' '\n' | awk '{ w[NR] = $1 } END {
+    n = 0; open = 0
+    for (l = NR - 1; l >= 1; --l) {
+      for (k = 0; k < 2; ++k) {  # the bias (registered last) first, then the weight
+        bytes = 4 * (k == 0 ? w[l + 1] : w[l] * w[l + 1])
+        if (!open) { ++n; b[n] = 0; open = 1 }
+        b[n] += bytes
+        if (b[n] >= (n == 1 ? 1 : 25) * 1048576) open = 0
+      }
+    }
+    for (i = 1; i <= n; ++i) { two = b[i] + (i > 1 ? b[i - 1] : 0); if (two > pair) pair = two }
+    printf "%.0f", pair }'
+}
 
 echo "widths $widths, Adam, batch 64 per rank; MiB per rank (worst rank)"
 fmt='%-6s %-10s %11s %11s %8s %8s %9s %8s %11s %8s %8s\n'
@@ -66,6 +84,10 @@ for n in $ranks_list; do
     # four times the largest layer (the pool measured 72.2 MiB on 2 ranks against these 64)
     [[ "$s" == zero3* ]] && state=$((state + 4 * 4 * $(echo "$widths" | tr ',' '\n' |
       awk 'NR > 1 { n = prev * $1 + $1; if (n > m) m = n } { prev = $1 } END { print m }')))
+    # ZeRO-2: its full gradient buckets exist only within backward (NOTE [Gradient buckets]), at most
+    # two at once, neighbours: the one filling and the one reduce-scattered (the rule of ZeRO-3's
+    # gradients in accel::estimate::step_buffers; Gloo's receive buffer of the launched one is not counted)
+    [[ "$s" == zero2 ]] && state=$((state + $(in_flight_buckets "$widths")))
     activations="$(worst "$log/$s" activation_bytes)"
     expected=$((state + activations + baseline))
     resident="$(worst "$log/$s" resident_peak_bytes)"

@@ -411,9 +411,21 @@ TEST_SUITE("estimate") {
       CHECK((row.step_buffers > 0) == zero3);
       CHECK(row.device_bytes() == row.state.total() + row.step_buffers + 1000);
     }
+    // The ZeRO-3 and HybridShard rows (one plan for both figures) equal model_state and step_buffers.
+    const accel::ZeRO<3> z3{};
+    CHECK(rows[4].strategy == "ZeRO-3");
+    CHECK(rows[4].state.total() == estimate::model_state(shape, z3, 3).total());
+    CHECK(rows[4].step_buffers == estimate::step_buffers(shape, z3, 3).bytes);
+    const auto six = estimate::report(shape, 1000, {.num_processes = {6}, .shard_group_size = 3});
+    const accel::HybridShard hybrid{.shard_group_size = 3};
+    REQUIRE(six.back().strategy == "HybridShard (3 per group)");
+    CHECK(six.back().state.total() == estimate::model_state(shape, hybrid, 6).total());
+    CHECK(six.back().step_buffers == estimate::step_buffers(shape, hybrid, 6).bytes);
+    CHECK(six.back().step_buffers == estimate::step_buffers(shape, z3, 3).bytes);
     const auto text = estimate::format_report(rows);
     CHECK(text.find("ZeRO-3 + cpu_offload") != std::string::npos);
     CHECK_THROWS_AS(estimate::model_state(shape, accel::HybridShard{.shard_group_size = 2}, 3), std::invalid_argument);
+    CHECK_THROWS_AS(estimate::step_buffers(shape, accel::HybridShard{.shard_group_size = 2}, 3), std::invalid_argument);
     CHECK_THROWS_AS(estimate::activation_bytes(estimate::GptShape{.width = 10, .heads = 4}, 1), std::invalid_argument);
   }
 }

@@ -93,14 +93,23 @@ inline Zero3Plan zero3_plan(const ModelShape& shape, const ZeRO<3>& settings, in
   return plan;
 }
 
-inline std::int64_t zero3_planned_bytes(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
+inline std::int64_t planned_total(const Zero3Plan& plan) {
   std::int64_t total = 0;
-  for (auto b : zero3_plan(shape, settings, shards).bucket_bytes) total += b;
+  for (auto b : plan.bucket_bytes) total += b;
   return total;
 }
 
 inline void check_world(int world, const char* who) {
   if (world < 1) throw std::invalid_argument(std::string("accel estimate: ") + who + ": the number of processes must be at least 1");
+}
+
+/// HybridShard's shard group: a divisor of the world (0, one machine, is unknown here).
+inline void check_shard_group(const HybridShard& settings, int world) {
+  check_world(world, "HybridShard");
+  const int shards = settings.shard_group_size;
+  if (shards < 1 || world % shards != 0)
+    throw std::invalid_argument("accel estimate: HybridShard needs shard_group_size (the ranks of one machine), a divisor of " +
+                                std::to_string(world) + " processes; got " + std::to_string(shards));
 }
 
 // The sharded strategies' state from the padded total, the shard count and
@@ -138,8 +147,8 @@ template <int Stage>
 ModelStateBytes model_state(const ModelShape& shape, const ZeRO<Stage>& settings, int world, OptimizerShape optimizer = {}) {
   detail::check_world(world, "ZeRO");
   if constexpr (Stage == 3) {
-    return detail::sharded(detail::zero3_planned_bytes(shape, settings, world), world, true, true, settings.cpu_offload,
-                           optimizer);
+    return detail::sharded(detail::planned_total(detail::zero3_plan(shape, settings, world)), world, true, true,
+                           settings.cpu_offload, optimizer);
   } else {
     const auto padded = detail::planned_bytes(
         shape.params, {.caps = strategy::BucketCaps{settings.first_bucket_cap_mb, settings.bucket_cap_mb},
@@ -151,12 +160,9 @@ ModelStateBytes model_state(const ModelShape& shape, const ZeRO<Stage>& settings
 /// HybridShard needs its shard group size (0, one machine, is unknown here).
 inline ModelStateBytes model_state(const ModelShape& shape, const HybridShard& settings, int world,
                                    OptimizerShape optimizer = {}) {
-  detail::check_world(world, "HybridShard");
+  detail::check_shard_group(settings, world);
   const int shards = settings.shard_group_size;
-  if (shards < 1 || world % shards != 0)
-    throw std::invalid_argument("accel estimate: HybridShard needs shard_group_size (the ranks of one machine), a divisor of " +
-                                std::to_string(world) + " processes; got " + std::to_string(shards));
-  return detail::sharded(detail::zero3_planned_bytes(shape, settings.zero, shards), shards, true, true,
+  return detail::sharded(detail::planned_total(detail::zero3_plan(shape, settings.zero, shards)), shards, true, true,
                          settings.zero.cpu_offload, optimizer);
 }
 
@@ -195,9 +201,8 @@ struct StepBuffers {
   std::int64_t most = 0;      ///< what the pool can keep: a block per unit and kind, and Gloo's receive buffers
 };
 
-inline StepBuffers step_buffers(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
-  detail::check_world(shards, "ZeRO-3");
-  const auto plan = detail::zero3_plan(shape, settings, shards);
+namespace detail {
+inline StepBuffers step_buffers(const Zero3Plan& plan, const ZeRO<3>& settings) {
   std::int64_t all = 0;
   for (auto b : plan.unit_bytes) all += b;
   std::vector<std::int64_t> others(plan.unit_bytes.begin(), plan.unit_bytes.end() - 1);  // the root is last
@@ -211,9 +216,37 @@ inline StepBuffers step_buffers(const ModelShape& shape, const ZeRO<3>& settings
   const std::int64_t bytes = gathered + gradients;
   return {gathered, bytes, std::max(bytes, 2 * all) + gradients};
 }
+}  // namespace detail
+
+inline StepBuffers step_buffers(const ModelShape& shape, const ZeRO<3>& settings, int shards) {
+  detail::check_world(shards, "ZeRO-3");
+  return detail::step_buffers(detail::zero3_plan(shape, settings, shards), settings);
+}
 inline StepBuffers step_buffers(const ModelShape& shape, const HybridShard& settings, int world) {
-  model_state(shape, settings, world);  // the same checks of the shard group
+  detail::check_shard_group(settings, world);
   return step_buffers(shape, settings.zero, settings.shard_group_size);
+}
+
+/// ZeRO-3's or HybridShard's model state and step buffers from one plan of
+/// its units (the plan walks the module tree; a report row needs both).
+struct ShardedEstimate {
+  ModelStateBytes state;
+  StepBuffers buffers;
+};
+inline ShardedEstimate sharded_estimate(const ModelShape& shape, const ZeRO<3>& settings, int world,
+                                        OptimizerShape optimizer = {}) {
+  detail::check_world(world, "ZeRO");
+  const auto plan = detail::zero3_plan(shape, settings, world);
+  return {detail::sharded(detail::planned_total(plan), world, true, true, settings.cpu_offload, optimizer),
+          detail::step_buffers(plan, settings)};
+}
+inline ShardedEstimate sharded_estimate(const ModelShape& shape, const HybridShard& settings, int world,
+                                        OptimizerShape optimizer = {}) {
+  detail::check_shard_group(settings, world);
+  const int shards = settings.shard_group_size;
+  const auto plan = detail::zero3_plan(shape, settings.zero, shards);
+  return {detail::sharded(detail::planned_total(plan), shards, true, true, settings.zero.cpu_offload, optimizer),
+          detail::step_buffers(plan, settings.zero)};
 }
 
 }  // namespace accel::estimate

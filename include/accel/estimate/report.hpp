@@ -60,13 +60,15 @@ inline std::vector<ReportRow> report(const ModelShape& shape, std::optional<std:
                       world, options.optimizer));
       auto z3 = zero3;
       z3.cpu_offload = offload;
-      add("ZeRO-3" + suffix, world, model_state(shape, z3, world, options.optimizer), step_buffers(shape, z3, world).bytes);
+      const auto z3_estimate = sharded_estimate(shape, z3, world, options.optimizer);
+      add("ZeRO-3" + suffix, world, z3_estimate.state, z3_estimate.buffers.bytes);
     }
     const int shards = options.shard_group_size;
     if (shards > 0 && shards < world && world % shards == 0) {
       const HybridShard hybrid{.zero = zero3, .shard_group_size = shards};
-      add("HybridShard (" + std::to_string(shards) + " per group)", world, model_state(shape, hybrid, world, options.optimizer),
-          step_buffers(shape, hybrid, world).bytes);
+      const auto hybrid_estimate = sharded_estimate(shape, hybrid, world, options.optimizer);
+      add("HybridShard (" + std::to_string(shards) + " per group)", world, hybrid_estimate.state,
+          hybrid_estimate.buffers.bytes);
     }
   }
   return rows;

@@ -14,6 +14,12 @@
 //     which waits for the stream), then the strategy's usual all-gather.
 // On a CPU device the twins are plain host copies: the same code path, which
 // is how it is tested without a GPU, at the cost of one more shard in memory.
+//
+// A layer under every sharded stage (ShardedEngineBase holds it): ZeRO-1/2,
+// ZeRO-3 and HybridShard call the same five operations at the same points of
+// their step (shards made, gradients reduced, step taken, checkpoint loaded,
+// gradients zeroed) with their device shards, whose .grad are the reduced
+// gradient shards; without cpu_offload each operation does nothing.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,6 +40,7 @@ class HostOffload {
   /// Makes a host twin of every device shard (same values), each with a zero
   /// gradient: the tensors to give the optimizer instead of the shards.
   void attach(const std::vector<at::Tensor>& device_shards) {
+    if (!enabled_) return;
     c10::NoGradGuard no_grad;
     for (const auto& shard : device_shards) {
       auto options = shard.options().device(at::kCPU).pinned_memory(shard.is_cuda()).requires_grad(false);
@@ -50,12 +57,12 @@ class HostOffload {
   /// The optimizer's tensors: the host twins.
   const std::vector<at::Tensor>& parameters() const { return twins_; }
 
-  /// The reduced device gradient shards, copied into the twins' gradients.
-  void gradients_to_host(const std::vector<at::Tensor>& device_gradients) {
+  /// The device shards' reduced gradients, copied into the twins' gradients.
+  void gradients_to_host(const std::vector<at::Tensor>& device_shards) {
     c10::NoGradGuard no_grad;
     for (std::size_t b = 0; b < twins_.size(); ++b) {
       const bool last = b + 1 == twins_.size();
-      twins_[b].mutable_grad().copy_(device_gradients[b], /*non_blocking=*/!last);
+      twins_[b].mutable_grad().copy_(device_shards[b].grad(), /*non_blocking=*/!last);
     }
   }
 
@@ -72,6 +79,7 @@ class HostOffload {
     for (std::size_t b = 0; b < twins_.size(); ++b) twins_[b].detach().copy_(device_shards[b].detach());
   }
 
+  // (Without attach, as when disabled, there are no twins: the loops below do nothing.)
   void zero_grad() {
     for (auto& twin : twins_) twin.mutable_grad().zero_();
   }

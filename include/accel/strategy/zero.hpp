@@ -75,7 +75,6 @@ class ZeROEngine final : public ShardedEngineBase {
 
  private:
   void require_optimizer_prepared() const;
-  std::vector<at::Tensor> device_gradient_shards() const;
   void attach_shard_gradients();
   void launch(std::size_t b);
 
@@ -152,7 +151,7 @@ ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::prepare_optimizer(torch::optim::Opti
     shards_.push_back(mine);
     if constexpr (Stage == 2) allocate_gradient_shards(shard, flat.options());
   }
-  if (offload_.enabled()) offload_.attach(shards_);
+  offload_.attach(shards_);
   point_optimizer_at(groups, optimizer_parameters());
   if constexpr (Stage == 1) allocate_gradients();  // stage 2's exist only within backward
   attach_shard_gradients();
@@ -171,7 +170,7 @@ ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::synchronize_gradients() {
   wait_for_buckets(work_, [&](std::size_t b) {
     if constexpr (Stage == 2) finish_reduce_scatter(b, grad_shards_[b], received_[b]);
   });
-  if (offload_.enabled()) offload_.gradients_to_host(device_gradient_shards());
+  offload_.gradients_to_host(shards_);
   if constexpr (Stage == 2) {
     release_full_gradients();
     set_shards_hold_reduced(true);
@@ -181,7 +180,7 @@ ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::synchronize_gradients() {
 template <int Stage>
 ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::after_optimizer_step() {
   auto& s = *state_;
-  if (offload_.enabled()) offload_.parameters_to_device(shards_);
+  offload_.parameters_to_device(shards_);
   if (!s.comm->distributed()) return;
   // In place, every bucket at once: each shard is its own row of the flat
   // parameters, and nothing is staged beside them (comm/collectives.hpp).
@@ -195,7 +194,7 @@ ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::after_optimizer_step() {
 
 template <int Stage>
 ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::zero_grad(torch::optim::Optimizer&) {
-  if (offload_.enabled()) offload_.zero_grad();
+  offload_.zero_grad();
   if constexpr (Stage == 1) {
     for (auto& bucket : state_->buckets) bucket.grad.zero_();
     state_->attach_grad_views();
@@ -210,20 +209,13 @@ ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::zero_grad(torch::optim::Optimizer&) 
 
 template <int Stage>
 ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::parameters_loaded() {
-  if (offload_.enabled()) offload_.parameters_from_device(shards_);
+  offload_.parameters_from_device(shards_);
 }
 
 template <int Stage>
 ACCEL_COMPILED_ONCE void ZeROEngine<Stage>::require_optimizer_prepared() const {
   if (shards_.empty())
     throw std::logic_error("accel ZeRO: no optimizer was prepared: call trainer.prepare(model, optimizer) first");
-}
-
-template <int Stage>
-ACCEL_COMPILED_ONCE std::vector<at::Tensor> ZeROEngine<Stage>::device_gradient_shards() const {
-  std::vector<at::Tensor> out;
-  for (const auto& shard : shards_) out.push_back(shard.grad());
-  return out;
 }
 
 template <int Stage>

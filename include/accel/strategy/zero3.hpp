@@ -95,15 +95,11 @@ class ZeRO3Engine final : public ShardedEngineBase {
   /// The reduce-scatter alone (HybridShard averages the shards across
   /// replicas before they are offloaded).
   void reduce_gradients();
-  void offload_gradients() {
-    if (offload_.enabled()) offload_.gradients_to_host(grad_shards_);
-  }
+  void offload_gradients() { offload_.gradients_to_host(device_shards()); }
   /// This rank's reduced gradient shards, in device memory.
   const std::vector<at::Tensor>& device_gradient_shards() const { return grad_shards_; }
 
-  void after_optimizer_step() {
-    if (offload_.enabled()) offload_.parameters_to_device(device_shards());
-  }
+  void after_optimizer_step() { offload_.parameters_to_device(device_shards()); }
 
   void zero_grad(torch::optim::Optimizer&);
 
@@ -513,7 +509,7 @@ ACCEL_COMPILED_ONCE void ZeRO3Engine::prepare_optimizer(torch::optim::Optimizer&
     deferred_init::forget_replaced();  // the records of the storages just replaced
   }
   for (std::size_t b = 0; b < s.buckets.size(); ++b) z.shards[b].mutable_grad() = grad_shards_[b];
-  if (offload_.enabled()) offload_.attach(z.shards);
+  offload_.attach(z.shards);
   point_optimizer_at(groups, optimizer_parameters());
   z.reshard_all();
   size_collectives();
@@ -566,14 +562,14 @@ ACCEL_COMPILED_ONCE void ZeRO3Engine::reduce_gradients() {
 ACCEL_COMPILED_ONCE void ZeRO3Engine::zero_grad(torch::optim::Optimizer&) {
   for (auto& g : grad_shards_) g.zero_();
   set_shards_hold_reduced(false);
-  if (offload_.enabled()) offload_.zero_grad();
+  offload_.zero_grad();
 }
 
 ACCEL_COMPILED_ONCE const std::vector<at::Tensor>& ZeRO3Engine::device_shards() const { return z3_->shards; }
 
 ACCEL_COMPILED_ONCE void ZeRO3Engine::parameters_loaded() {
   z3_->reshard_all();  // a full parameter buffer gathered before the load holds the old values
-  if (offload_.enabled()) offload_.parameters_from_device(z3_->shards);
+  offload_.parameters_from_device(z3_->shards);
 }
 
 ACCEL_COMPILED_ONCE void ZeRO3Engine::gather_full_parameters() {
