@@ -19,7 +19,8 @@
 // ZeRO-3 and HybridShard call the same five operations at the same points of
 // their step (shards made, gradients reduced, step taken, checkpoint loaded,
 // gradients zeroed) with their device shards, whose .grad are the reduced
-// gradient shards; without cpu_offload each operation does nothing.
+// gradient shards; without cpu_offload each operation does nothing (attach
+// makes no twins, and the others loop over the twins).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -79,7 +80,6 @@ class HostOffload {
     for (std::size_t b = 0; b < twins_.size(); ++b) twins_[b].detach().copy_(device_shards[b].detach());
   }
 
-  // (Without attach, as when disabled, there are no twins: the loops below do nothing.)
   void zero_grad() {
     for (auto& twin : twins_) twin.mutable_grad().zero_();
   }
