@@ -23,9 +23,9 @@
 // smaller blocks stay with malloc.
 // Measured (bench/memory_peaks.sh, 2 ranks, 38.8 M parameters): the worst
 // rank's resident set falls with the stage (DDP > ZeRO-1 > ZeRO-2 > ZeRO-3),
-// 12-17% above its formula plus the bare process for all but ZeRO-2 (+29%),
-// whose formula leaves out its buckets in flight; steps are 1.03-1.06x as
-// fast as with glibc's heaps (bench/ddp_throughput.cpp --cache_host_memory 0|1).
+// 13-19% above its formula plus the bare process (ZeRO-2's counting its two
+// gradient buckets in flight); steps are 1.03-1.06x as fast as with glibc's
+// heaps (bench/ddp_throughput.cpp --cache_host_memory 0|1).
 // The Trainer installs it on the CPU device (TrainerOptions::cache_host_memory,
 // default on) under LibTorch's own CPU allocator only: an allocator the
 // program installed is left alone. It is process-wide, and gives its idle

@@ -131,6 +131,12 @@ inline ModelStateBytes sharded(std::int64_t padded, int shards, bool shard_param
   return m;
 }
 
+// ZeRO-3's state (HybridShard's within its group) from the plan of its units over `shards` ranks.
+inline ModelStateBytes zero3_state(const Zero3Plan& plan, const ZeRO<3>& settings, int shards,
+                                   const OptimizerShape& optimizer) {
+  return sharded(planned_total(plan), shards, true, true, settings.cpu_offload, optimizer);
+}
+
 }  // namespace detail
 
 /// One process, or DDP on any number: every rank holds everything, unpadded.
@@ -147,8 +153,7 @@ template <int Stage>
 ModelStateBytes model_state(const ModelShape& shape, const ZeRO<Stage>& settings, int world, OptimizerShape optimizer = {}) {
   detail::check_world(world, "ZeRO");
   if constexpr (Stage == 3) {
-    return detail::sharded(detail::planned_total(detail::zero3_plan(shape, settings, world)), world, true, true,
-                           settings.cpu_offload, optimizer);
+    return detail::zero3_state(detail::zero3_plan(shape, settings, world), settings, world, optimizer);
   } else {
     const auto padded = detail::planned_bytes(
         shape.params, {.caps = strategy::BucketCaps{settings.first_bucket_cap_mb, settings.bucket_cap_mb},
@@ -162,8 +167,7 @@ inline ModelStateBytes model_state(const ModelShape& shape, const HybridShard& s
                                    OptimizerShape optimizer = {}) {
   detail::check_shard_group(settings, world);
   const int shards = settings.shard_group_size;
-  return detail::sharded(detail::planned_total(detail::zero3_plan(shape, settings.zero, shards)), shards, true, true,
-                         settings.zero.cpu_offload, optimizer);
+  return detail::zero3_state(detail::zero3_plan(shape, settings.zero, shards), settings.zero, shards, optimizer);
 }
 
 /// NOTE [Step buffers in the estimate]
@@ -237,16 +241,14 @@ inline ShardedEstimate sharded_estimate(const ModelShape& shape, const ZeRO<3>& 
                                         OptimizerShape optimizer = {}) {
   detail::check_world(world, "ZeRO");
   const auto plan = detail::zero3_plan(shape, settings, world);
-  return {detail::sharded(detail::planned_total(plan), world, true, true, settings.cpu_offload, optimizer),
-          detail::step_buffers(plan, settings)};
+  return {detail::zero3_state(plan, settings, world, optimizer), detail::step_buffers(plan, settings)};
 }
 inline ShardedEstimate sharded_estimate(const ModelShape& shape, const HybridShard& settings, int world,
                                         OptimizerShape optimizer = {}) {
   detail::check_shard_group(settings, world);
   const int shards = settings.shard_group_size;
   const auto plan = detail::zero3_plan(shape, settings.zero, shards);
-  return {detail::sharded(detail::planned_total(plan), shards, true, true, settings.zero.cpu_offload, optimizer),
-          detail::step_buffers(plan, settings.zero)};
+  return {detail::zero3_state(plan, settings.zero, shards, optimizer), detail::step_buffers(plan, settings.zero)};
 }
 
 }  // namespace accel::estimate
