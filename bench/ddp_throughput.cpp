@@ -45,6 +45,8 @@
 //          param_bytes=P grad_bytes=G optim_bytes=O
 // (step_ms: the mean over steps of the slowest rank's step, comparable with
 // the PyTorch scripts' slowest total time / steps; the bytes are rank 0's.)
+// For a sharded engine, also its buckets as it built them, in bucket order:
+//   BUCKETS tag=NAME numels=N1,N2,...
 // Then every rank prints its phase times (median ms per step).
 //
 // The phases split Trainer::step exactly as it runs it (trainer.hpp; FP32,
@@ -142,6 +144,11 @@ void report(const accel::bench::CaseResult& r, const std::string& tag) {
               tag.c_str(), r.world, static_cast<double>(r.samples_per_step) * 1e3 / mean_ms, 1e3 / mean_ms, mean_ms,
               static_cast<long long>(rank0.parameter_bytes), static_cast<long long>(rank0.gradient_bytes),
               static_cast<long long>(rank0.optimizer_state_bytes));
+  if (!r.bucket_numels.empty()) {  // a sharded engine's buckets as it built them (bench/memory_peaks.sh reads them)
+    std::string numels;
+    for (auto n : r.bucket_numels) numels += (numels.empty() ? "" : ",") + std::to_string(n);
+    std::printf("BUCKETS tag=%s numels=%s\n", tag.c_str(), numels.c_str());
+  }
   std::fflush(stdout);
 }
 

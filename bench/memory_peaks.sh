@@ -49,22 +49,11 @@ run() {
 worst() { grep -o "MEMORY .*" "$1" | grep -o "\b$2=[0-9]*" | cut -d= -f2 | sort -n | tail -1; }
 result() { grep -o "RESULT .*" "$1" | grep -o "\b$2=[0-9]*" | head -1 | cut -d= -f2; }
 mib() { awk -v b="$1" 'BEGIN { printf "%.0f", b / 1048576 }'; }
-# bytes of the largest two adjacent gradient buckets: ZeRO-2's plan of the MLP
-# WIDTHS (strategy/bucket_plan.hpp: parameters in reverse order, weight then bias per layer, a bucket
-# closing once it holds its cap, 1 MiB for the first and 25 MiB after it, accel's defaults)
+# bytes of the largest two adjacent gradient buckets (fp32) of the run OUT: the buckets the engine
+# built, in bucket order (ddp_throughput's BUCKETS line)
 in_flight_buckets() {
-  echo "$1" | tr ',' '\n' | awk '{ w[NR] = $1 } END {
-    n = 0; open = 0
-    for (l = NR - 1; l >= 1; --l) {
-      for (k = 0; k < 2; ++k) {  # the bias (registered last) first, then the weight
-        bytes = 4 * (k == 0 ? w[l + 1] : w[l] * w[l + 1])
-        if (!open) { ++n; b[n] = 0; open = 1 }
-        b[n] += bytes
-        if (b[n] >= (n == 1 ? 1 : 25) * 1048576) open = 0
-      }
-    }
-    for (i = 1; i <= n; ++i) { two = b[i] + (i > 1 ? b[i - 1] : 0); if (two > pair) pair = two }
-    printf "%.0f", pair }'
+  grep -o "BUCKETS .*" "$1" | head -1 | grep -o "numels=[0-9,]*" | cut -d= -f2 | tr ',' '\n' | awk '{
+    b = 4 * $1; if (b + prev > pair) pair = b + prev; prev = b } END { printf "%.0f", pair }'
 }
 
 echo "widths $widths, Adam, batch 64 per rank; MiB per rank (worst rank)"
@@ -87,7 +76,7 @@ for n in $ranks_list; do
     # ZeRO-2: its full gradient buckets exist only within backward (NOTE [Gradient buckets]), at most
     # two at once, neighbours: the one filling and the one reduce-scattered (the rule of ZeRO-3's
     # gradients in accel::estimate::step_buffers; Gloo's receive buffer of the launched one is not counted)
-    [[ "$s" == zero2 ]] && state=$((state + $(in_flight_buckets "$widths")))
+    [[ "$s" == zero2 ]] && state=$((state + $(in_flight_buckets "$log/$s")))
     activations="$(worst "$log/$s" activation_bytes)"
     expected=$((state + activations + baseline))
     resident="$(worst "$log/$s" resident_peak_bytes)"

@@ -192,6 +192,59 @@ TEST_SUITE("spawn") {
     }
   }
 
+  // Both ends of a broken connection exit: the CI once reported only "rank 0
+  // exited with status 1: ... Connection closed by peer", the error of the
+  // rank whose peer had gone, because one pass found both and named the
+  // lower rank. The supervisor is driven directly so that both have ended
+  // before its first look.
+  TEST_CASE("of two failures found at once, the crash is named first and the other is named too") {
+    auto child = [](auto body) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        body();
+        ::_exit(0);
+      }
+      return pid;
+    };
+    accel::launch::ProcessSupervisor supervisor;
+    supervisor.add(0, child([] { ::_exit(1); }));       // the error exit in reply
+    supervisor.add(1, child([] { ::raise(SIGKILL); }));  // the crash
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const auto outcome = supervisor.wait(std::chrono::seconds(10), std::chrono::seconds(2));
+    REQUIRE(outcome.first_failure);
+    CHECK(outcome.first_failure->rank == 1);
+    const std::string text = outcome.describe();
+    INFO(text);
+    CHECK(text.find("rank 1 (pid ") == 0);
+    CHECK(text.find(") was killed by signal 9 (Killed); also rank 0 (pid ") != std::string::npos);
+    CHECK(text.find(") exited with status 1") != std::string::npos);
+  }
+
+  TEST_CASE("a rank that crashes while it is being stopped is named, not reaped quietly") {
+    try {
+      accel::spawn(2, [](int rank) {
+        if (rank == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          throw std::runtime_error("boom");
+        }
+        // Rank 1 dies of another signal when the supervisor's SIGTERM arrives
+        // (SIGUSR2: no core dump to wait for).
+        ::signal(SIGTERM, [](int) {
+          ::signal(SIGUSR2, SIG_DFL);
+          ::raise(SIGUSR2);
+        });
+        std::this_thread::sleep_for(std::chrono::seconds(60));
+      });
+      FAIL("spawn did not report the failure");
+    } catch (const accel::SpawnError& e) {
+      const std::string text = e.what();
+      INFO(text);
+      CHECK(text.find("rank 0 (pid ") != std::string::npos);
+      CHECK(text.find("exited with status 1: boom; also rank 1 (pid ") != std::string::npos);
+      CHECK(text.find(") was killed by signal 12 (User defined signal 2) as it was being stopped") != std::string::npos);
+    }
+  }
+
   TEST_CASE("a hang is a failure: the timeout kills every rank") {
     const auto start = std::chrono::steady_clock::now();
     accel::SpawnOptions options;

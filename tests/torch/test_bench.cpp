@@ -125,6 +125,12 @@ TEST_SUITE("bench") {
     CHECK(results[1].name == "Parallel<DDP>(t3 p1)");
     CHECK(results[2].ok);
     CHECK(results[2].name == "ZeRO-2 bf16");
+    // The sharded engine's buckets, as it built them: every trainable element once; none for DDP.
+    CHECK(results[0].bucket_numels.empty());
+    std::int64_t bucketed = 0;
+    for (auto n : results[2].bucket_numels) bucketed += n;
+    CHECK_FALSE(results[2].bucket_numels.empty());
+    CHECK(bucketed == 186);  // even_mlp's parameters
     // The JSON lines the main process wrote, read back.
     std::vector<accel::bench::CaseResult> read;
     std::istringstream text(take_file(lines));
@@ -137,6 +143,7 @@ TEST_SUITE("bench") {
       CHECK(read[k].error == results[k].error);
       CHECK(read[k].step_ms == results[k].step_ms);
       CHECK(read[k].predicted == results[k].predicted);
+      CHECK(read[k].bucket_numels == results[k].bucket_numels);
       CHECK(read[k].ranks.size() == results[k].ranks.size());
       for (std::size_t r = 0; r < read[k].ranks.size(); ++r) {
         CHECK(read[k].ranks[r].bytes == results[k].ranks[r].bytes);

@@ -160,6 +160,7 @@ struct LocalRun {
   int data_world = 1;
   std::int64_t samples_per_step = 0;
   std::optional<TrafficBytes> predicted;
+  std::vector<std::int64_t> bucket_numels;
 };
 
 }  // namespace detail
@@ -183,6 +184,7 @@ class TrainingRun {
       const auto layout = *trainer_.strategy_engine().shard_layout();
       inputs.shard_count = layout.count;
       inputs.bucket_numels = layout.bucket_numels;
+      bucket_numels_ = layout.bucket_numels;
     }
     predicted_ = predicted_traffic<S, P>(c.strategy, inputs);
   }
@@ -209,6 +211,8 @@ class TrainingRun {
   /// The global batch of the last step: per-rank batch x data-parallel ranks.
   std::int64_t samples_per_step() const { return samples_per_step_; }
   ModelStateBytes model_state_bytes() const { return trainer_.model_state_bytes(); }
+  /// The sharded engine's buckets as it built them (elements before padding); empty for the others.
+  const std::vector<std::int64_t>& bucket_numels() const { return bucket_numels_; }
 
  private:
   static TrainerOptions single_step(TrainerOptions options) {
@@ -225,6 +229,7 @@ class TrainingRun {
   OptimizerHandle optimizer_;
   std::optional<TrafficBytes> predicted_;
   std::int64_t samples_per_step_ = 0;
+  std::vector<std::int64_t> bucket_numels_;
 };
 
 namespace detail {
@@ -250,6 +255,7 @@ LocalRun run_once(W& w, const Case<S, P, D>& c, const Options& o) {
     run.peak_memory_bytes = device::peak_memory_bytes(training.trainer().device());
     run.samples_per_step = training.samples_per_step();
     run.model_state = training.model_state_bytes();
+    run.bucket_numels = training.bucket_numels();
   } catch (const std::exception& e) {
     run.ok = false;
     run.error = e.what();
@@ -318,6 +324,7 @@ inline bool merge(comm::Communicator& world, const LocalRun& run, CaseResult& re
   result.data_world = run.data_world;
   result.samples_per_step = run.samples_per_step;
   result.predicted = run.predicted;
+  result.bucket_numels = run.bucket_numels;
   return true;
 }
 

@@ -51,6 +51,9 @@ struct CaseResult {
   double ratio = 0;                    ///< median of ratio_by_round
   std::vector<RankFigures> ranks;
   std::optional<TrafficBytes> predicted;  ///< the formula's bytes per step (bench/traffic_model.hpp)
+  /// A sharded engine's buckets as it built them, in bucket order (elements
+  /// before padding; this rank's, the same on every rank); empty for the others.
+  std::vector<std::int64_t> bucket_numels;
 
   /// Bytes per step of `kind` measured on `rank`.
   double bytes_per_step(comm::Collective kind, int rank = 0) const {
@@ -117,6 +120,7 @@ inline nlohmann::json to_json(const CaseResult& r) {
                           {"offloaded_bytes", f.offloaded_bytes},
                           {"peak_memory_bytes", f.peak_memory_bytes}});
   j["predicted_bytes_per_step"] = r.predicted ? detail::per_kind(*r.predicted, 1) : nlohmann::json(nullptr);
+  j["bucket_numels"] = r.bucket_numels;
   return j;
 }
 
@@ -149,6 +153,7 @@ inline CaseResult case_from_json(const nlohmann::json& j) {
                        .peak_memory_bytes = f.at("peak_memory_bytes").get<std::int64_t>()});
   if (!j.at("predicted_bytes_per_step").is_null())
     r.predicted = detail::from_per_kind(j.at("predicted_bytes_per_step"), 1);
+  r.bucket_numels = j.value("bucket_numels", std::vector<std::int64_t>{});  // absent in files before it
   return r;
 }
 

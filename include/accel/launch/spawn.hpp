@@ -102,7 +102,7 @@ void spawn(int world_size, Fn&& fn, const SpawnOptions& options = {}) {
   }
   auto outcome = supervisor.wait(options.timeout, options.grace, {}, {}, options.stop_on_failure);
   if (!outcome.ok()) {
-    std::string what = "accel::spawn: " + outcome.describe();
+    std::string what = "accel::spawn: " + outcome.describe_first();
     if (outcome.timed_out)
       what += " (" + std::to_string(options.timeout.count()) + " ms); all ranks were killed";
     if (outcome.first_failure) {  // the failed rank's message, when it threw one (every rank has exited by now)
@@ -112,6 +112,7 @@ void spawn(int world_size, Fn&& fn, const SpawnOptions& options = {}) {
       const ssize_t n = ::read(fd, text, sizeof text);
       if (n > 0) what += ": " + std::string(text, static_cast<std::size_t>(n));
     }
+    what += outcome.describe_others();
     throw SpawnError(what, std::move(outcome));
   }
 }

@@ -46,16 +46,37 @@ struct RankExit {
 struct JobOutcome {
   std::vector<RankExit> exits;         ///< one per rank that ended by itself, in the order they ended
   std::optional<RankExit> first_failure;
+  /// Ranks that crashed (a signal other than the supervisor's SIGTERM/SIGKILL)
+  /// while they were being stopped: a crash whose core dump outlasted a
+  /// peer's reaction to it is reported here rather than lost.
+  std::vector<RankExit> crashed_while_stopped;
   bool timed_out = false;
   bool interrupted = false;            ///< the launcher itself got SIGINT/SIGTERM
 
   bool ok() const { return !first_failure && !timed_out && !interrupted; }
-  std::string describe() const {
-    if (first_failure) return "rank " + std::to_string(first_failure->rank) + " (pid " +
-                              std::to_string(first_failure->pid) + ") " + first_failure->describe();
+  std::string describe() const { return describe_first() + describe_others(); }
+
+  /// The first failure, the timeout or the interruption.
+  std::string describe_first() const {
+    if (first_failure) return describe_rank(*first_failure);
     if (timed_out) return "the job did not finish within its timeout";
     if (interrupted) return "the launcher was interrupted";
     return "all ranks exited with status 0";
+  }
+
+  /// "; also rank 1 (pid ...) was killed by signal 11 ..." for every other
+  /// rank that failed on its own: the first one seen is not always the cause
+  /// (both ends of a broken connection exit).
+  std::string describe_others() const {
+    std::string text;
+    for (const auto& e : exits)
+      if (!e.ok() && !(first_failure && e.pid == first_failure->pid)) text += "; also " + describe_rank(e);
+    for (const auto& e : crashed_while_stopped) text += "; also " + describe_rank(e) + " as it was being stopped";
+    return text;
+  }
+
+  static std::string describe_rank(const RankExit& e) {
+    return "rank " + std::to_string(e.rank) + " (pid " + std::to_string(e.pid) + ") " + e.describe();
   }
 };
 
@@ -138,14 +159,19 @@ class ProcessSupervisor {
     return exit;
   }
 
+  // Of the failures one pass finds, a rank killed by a signal is named first:
+  // a crash is more likely the cause than a peer's error exit in reply to it.
   void reap(JobOutcome& outcome) {
+    const bool had_failure = outcome.first_failure.has_value();
     for (auto it = running_.begin(); it != running_.end();) {
       int status = 0;
       pid_t done = ::waitpid(it->pid, &status, WNOHANG);
       if (done == it->pid) {
         RankExit exit = decode(*it, status);
         outcome.exits.push_back(exit);
-        if (!exit.ok() && !outcome.first_failure) outcome.first_failure = exit;
+        if (!exit.ok() && !had_failure &&
+            (!outcome.first_failure || (exit.signaled && !outcome.first_failure->signaled)))
+          outcome.first_failure = exit;
         it = running_.erase(it);
       } else {
         ++it;
@@ -165,7 +191,7 @@ class ProcessSupervisor {
     for (const auto& child : running_) ::kill(-child.pid, SIGTERM);
     const auto kill_at = Clock::now() + grace;
     while (!running_.empty() && Clock::now() < kill_at) {
-      reap_quietly();
+      reap_quietly(outcome);
       if (idle) idle(20);
       else std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -175,13 +201,14 @@ class ProcessSupervisor {
       ::waitpid(child.pid, &status, 0);
     }
     running_.clear();
-    (void)outcome;
   }
 
-  void reap_quietly() {
+  void reap_quietly(JobOutcome& outcome) {
     for (auto it = running_.begin(); it != running_.end();) {
       int status = 0;
       if (::waitpid(it->pid, &status, WNOHANG) == it->pid) {
+        if (WIFSIGNALED(status) && WTERMSIG(status) != SIGTERM && WTERMSIG(status) != SIGKILL)
+          outcome.crashed_while_stopped.push_back(decode(*it, status));
         ::kill(-it->pid, SIGKILL);  // the leader is gone; anything it left in its group goes too
         it = running_.erase(it);
       } else {
