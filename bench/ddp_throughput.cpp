@@ -26,7 +26,9 @@
 //   --memory 1               every rank prints, for the whole run (prepare included), the most host
 //                            memory LibTorch had allocated at once (counted at the allocator), its
 //                            peak resident set (VmHWM: that, the process's own memory and what the C
-//                            library kept) and the activations' estimate (bench/memory_peaks.sh: the table);
+//                            library kept) and the activations' estimate (bench/memory_peaks.sh: the table),
+//                            the most the host block cache held at once (in use and idle), and what
+//                            glibc's malloc holds from the system at the end (mallinfo2: arena + hblkhd);
 //                            with --phases, also the allocated peak within each phase (where a peak is reached)
 //   --return_host_memory 1   freed host blocks over 1 MiB go back to the system (NOTE [Returning host
 //                            memory], TrainerOptions::return_host_memory; the cache is then off)
@@ -415,12 +417,23 @@ int main(int argc, char** argv) {
         accel::estimate::activation_bytes(accel::estimate::MlpShape{widths}, std::stoll(flag(argc, argv, "batch", "64")));
     accel::device::HostBlockCache::Stats cache;
     if (const auto* installed = accel::device::HostBlockCache::installed()) cache = installed->stats();
+    // Where the resident set is at the end, beside the cache's blocks: what
+    // glibc's malloc holds from the system (its heaps, which rarely shrink,
+    // and its own mappings), for the allocations that never reach LibTorch's
+    // allocator (Gloo's, the small ones under the cache's smallest block).
+    long long malloc_system = -1;
+#if defined(__GLIBC__)
+    const struct mallinfo2 heap = mallinfo2();
+    malloc_system = static_cast<long long>(heap.arena + heap.hblkhd);
+#endif
     std::printf("MEMORY rank=%s allocated_peak_bytes=%lld resident_peak_bytes=%lld activation_bytes=%lld "
-                "cache_most_in_use_bytes=%lld cache_mapped=%lld cache_unmapped=%lld\n",
+                "cache_most_in_use_bytes=%lld cache_mapped=%lld cache_unmapped=%lld cache_most_held_bytes=%lld "
+                "malloc_system_bytes=%lld\n",
                 rank ? rank : "0", static_cast<long long>(std::max(whole_run_peak, counter->peak_bytes())),
                 static_cast<long long>(accel::device::peak_memory_bytes(at::Device(at::kCPU))),
                 static_cast<long long>(activations), static_cast<long long>(cache.most_in_use),
-                static_cast<long long>(cache.mapped), static_cast<long long>(cache.unmapped));
+                static_cast<long long>(cache.mapped), static_cast<long long>(cache.unmapped),
+                static_cast<long long>(cache.most_held), malloc_system);
   }
   return status;
 }

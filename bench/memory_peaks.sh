@@ -19,6 +19,10 @@
 # glibc's malloc as it comes (--cache_host_memory 0, the default before the
 # cache); "returned", the resident set with freed blocks over 1 MiB given back
 # to the system (NOTE [Returning host memory], TrainerOptions::return_host_memory).
+# Two more columns say where the default run's resident set went: "cache_held", the most the host block
+# cache held at once (in use and idle), and "malloc", what glibc's malloc holds from the system at the
+# end (its heaps, which rarely shrink, and its mappings: Gloo's buffers, allocations under the cache's
+# 128 KiB, the process's own).
 # Environment: WIDTHS (default 512,2048 x10,10: 38.8 M parameters, 148 MiB;
 # each layer 16 MiB, one ZeRO-3 unit), RANKS ("2 3"), STEPS (timed steps, default 3;
 # glibc's heaps grow over more of them, ZeRO-3's step buffers do not).
@@ -57,11 +61,15 @@ in_flight_buckets() {
 }
 
 echo "widths $widths, Adam, batch 64 per rank; MiB per rank (worst rank)"
-fmt='%-6s %-10s %11s %11s %8s %8s %9s %8s %11s %8s %8s\n'
-printf "$fmt" ranks strategy model_state activations baseline expected allocated resident vs_expected uncached returned
+fmt='%-6s %-10s %11s %11s %8s %8s %9s %8s %11s %8s %8s %11s %6s\n'
+printf "$fmt" ranks strategy model_state activations baseline expected allocated resident vs_expected uncached returned \
+  cache_held malloc
 for n in $ranks_list; do
   run "$log/base" "$n" ddp 8,8 1
   baseline="$(worst "$log/base" resident_peak_bytes)"
+  # the bare process (the baseline) on a row of its own, for its malloc share
+  printf "$fmt" "$n" bare - - - - "$(mib "$(worst "$log/base" allocated_peak_bytes)")" "$(mib "$baseline")" - - - - \
+    "$(mib "$(worst "$log/base" malloc_system_bytes)")"
   for s in ddp zero1 zero2 zero3 zero3-meta; do
     run "$log/$s" "$n" "$s" "$widths"
     run "$log/$s.uncached" "$n" "$s" "$widths" 0 0
@@ -83,6 +91,7 @@ for n in $ranks_list; do
     printf "$fmt" "$n" "$s" "$(mib "$state")" "$(mib "$activations")" "$(mib "$baseline")" "$(mib "$expected")" \
       "$(mib "$(worst "$log/$s" allocated_peak_bytes)")" "$(mib "$resident")" \
       "$(awk -v r="$resident" -v e="$expected" 'BEGIN { printf "%+.0f%%", 100 * (r - e) / e }')" \
-      "$(mib "$(worst "$log/$s.uncached" resident_peak_bytes)")" "$(mib "$(worst "$log/$s.returned" resident_peak_bytes)")"
+      "$(mib "$(worst "$log/$s.uncached" resident_peak_bytes)")" "$(mib "$(worst "$log/$s.returned" resident_peak_bytes)")" \
+      "$(mib "$(worst "$log/$s" cache_most_held_bytes)")" "$(mib "$(worst "$log/$s" malloc_system_bytes)")"
   done
 done

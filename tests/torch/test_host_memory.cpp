@@ -97,6 +97,10 @@ TEST_SUITE("host_memory") {
     }
     const auto after = cache.stats();
     CHECK(after.in_use + after.idle <= 2 * after.most_in_use);
+    // The most ever held: at least the most in use, and within the same bound.
+    CHECK(after.most_held >= after.most_in_use);
+    CHECK(after.most_held >= after.in_use + after.idle);
+    CHECK(after.most_held <= 2 * after.most_in_use);
   }
 
   TEST_CASE("a CPU Trainer is a user of the cache while it lives, unless cache_host_memory is off or "
