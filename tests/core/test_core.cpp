@@ -207,9 +207,13 @@ TEST_SUITE("spawn") {
       return pid;
     };
     accel::launch::ProcessSupervisor supervisor;
-    supervisor.add(0, child([] { ::_exit(1); }));       // the error exit in reply
-    supervisor.add(1, child([] { ::raise(SIGKILL); }));  // the crash
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const pid_t replying = child([] { ::_exit(1); }), crashing = child([] { ::raise(SIGKILL); });
+    supervisor.add(0, replying);  // the error exit in reply
+    supervisor.add(1, crashing);  // the crash
+    for (pid_t pid : {replying, crashing}) {  // both ended (left for the supervisor to reap)
+      siginfo_t info{};
+      REQUIRE(::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) == 0);
+    }
     const auto outcome = supervisor.wait(std::chrono::seconds(10), std::chrono::seconds(2));
     REQUIRE(outcome.first_failure);
     CHECK(outcome.first_failure->rank == 1);
@@ -221,10 +225,13 @@ TEST_SUITE("spawn") {
   }
 
   TEST_CASE("a rank that crashes while it is being stopped is named, not reaped quietly") {
+    int ready[2];  // rank 1 says here that its handler is in place; rank 0 fails only then
+    REQUIRE(::pipe(ready) == 0);
     try {
-      accel::spawn(2, [](int rank) {
+      accel::spawn(2, [&](int rank) {
         if (rank == 0) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          char byte = 0;
+          if (::read(ready[0], &byte, 1) != 1) throw std::runtime_error("rank 1 never got ready");
           throw std::runtime_error("boom");
         }
         // Rank 1 dies of another signal when the supervisor's SIGTERM arrives
@@ -233,6 +240,8 @@ TEST_SUITE("spawn") {
           ::signal(SIGUSR2, SIG_DFL);
           ::raise(SIGUSR2);
         });
+        const char byte = 1;
+        if (::write(ready[1], &byte, 1) != 1) throw std::runtime_error("could not tell rank 0");
         std::this_thread::sleep_for(std::chrono::seconds(60));
       });
       FAIL("spawn did not report the failure");
@@ -243,6 +252,8 @@ TEST_SUITE("spawn") {
       CHECK(text.find("exited with status 1: boom; also rank 1 (pid ") != std::string::npos);
       CHECK(text.find(") was killed by signal 12 (User defined signal 2) as it was being stopped") != std::string::npos);
     }
+    ::close(ready[0]);
+    ::close(ready[1]);
   }
 
   TEST_CASE("a hang is a failure: the timeout kills every rank") {
