@@ -246,19 +246,15 @@ int run(int argc, char** argv, const std::string& strategy_name) {
   torch::optim::Optimizer& optimizer = *optimizer_owner;
   trainer.prepare(model, optimizer);
   auto& engine = trainer.strategy_engine();
-  auto& bucketed = [&]() -> auto& {  // HybridShard's buckets are its shard group's ZeRO-3's
-    if constexpr (std::is_same_v<Strategy, accel::HybridShard>) return engine.shard_engine();
-    else return engine;
-  }();
 
   // Bucket layout, as the engine built it.
   std::map<std::string, std::int64_t> numel_of;
   for (auto& item : model->named_parameters()) numel_of[item.key()] = item.value().numel();
   std::vector<std::int64_t> bucket_numel;
   std::ostringstream layout;
-  for (std::size_t b = 0; b < bucketed.bucket_count(); ++b) {
+  for (std::size_t b = 0; b < engine.bucket_count(); ++b) {
     std::int64_t n = 0;
-    for (auto& name : bucketed.bucket_parameters(b)) n += numel_of.at(name);
+    for (auto& name : engine.bucket_parameters(b)) n += numel_of.at(name);
     bucket_numel.push_back(n);
     char buf[64];
     std::snprintf(buf, sizeof buf, "%s%.2f", b ? " " : "", n * 4.0 / (1024.0 * 1024.0));

@@ -209,8 +209,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   using engine_type = typename Strategy::engine;
   static_assert(detail::defined<engine_type>,
                 "accel: this Trainer's strategy engine is not included: include the strategy's header "
-                "(DDP: <accel/strategy/ddp.hpp>; ZeRO<1>, ZeRO<2>: <accel/strategy/zero.hpp>; "
-                "ZeRO<3>: <accel/strategy/zero3.hpp>; HybridShard: <accel/strategy/hybrid_shard.hpp>; "
+                "(DDP: <accel/strategy/ddp.hpp>; ZeRO<1>, ZeRO<2>, ZeRO<3>: <accel/strategy/zero.hpp>; "
+                "HybridShard: <accel/strategy/hybrid_shard.hpp>; "
                 "Parallel<>: <accel/strategy/parallel.hpp>) or <accel/accel.hpp>");
   static_assert(detail::meets_contract<engine_type>,
                 "accel: this strategy's engine does not meet the engine contract (NOTE [Engine contract] in "

@@ -488,4 +488,39 @@ TEST_SUITE("zero") {
         },
         bounded(120s));
   }
+
+  TEST_CASE("one sharded engine: every ZeRO stage and HybridShard is ShardedEngine, set by its stage's choices") {
+    using accel::strategy::ShardedEngine;
+    static_assert(std::is_same_v<accel::ZeRO<1>::engine, ShardedEngine> &&
+                  std::is_same_v<accel::ZeRO<2>::engine, ShardedEngine> &&
+                  std::is_same_v<accel::ZeRO<3>::engine, ShardedEngine> &&
+                  std::is_same_v<accel::HybridShard::engine, ShardedEngine>);
+    struct Expected {
+      bool shard_gradients, free_parameters;
+      std::size_t units;  // odd_mlp under SIZE_BASED_WRAP at 60: three Linear units and the root's
+    };
+    auto check = [](auto strategy, Expected expected, const char* name) {
+      CAPTURE(name);
+      accel::Trainer<decltype(strategy)> trainer(strategy);
+      auto net = odd_mlp();
+      torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+      trainer.prepare(net, opt);
+      const auto& engine = trainer.strategy_engine();
+      CHECK(engine.settings().shard_gradients == expected.shard_gradients);
+      CHECK(engine.settings().free_parameters == expected.free_parameters);
+      CHECK(std::string(engine.settings().strategy_name) == name);
+      CHECK(engine.unit_count() == expected.units);
+      auto batch = odd_batch(0, 4);
+      trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+      // Freed parameters are gathered only while used; kept ones always are.
+      CHECK(engine.gathered_bytes() == 0);
+      for (std::size_t u = 0; u < engine.unit_count(); ++u) CHECK(!engine.unit_gathered(u));
+      CHECK(engine.optimizer_parameters().size() == engine.device_shards().size());
+    };
+    const accel::ZeRO<3> units{.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 60};
+    check(accel::ZeRO<1>{}, {false, false, 0}, "ZeRO<1>");
+    check(accel::ZeRO<2>{}, {true, false, 0}, "ZeRO<2>");
+    check(units, {true, true, 4}, "ZeRO<3>");
+    check(accel::HybridShard{.zero = units, .shard_group_size = 1}, {true, true, 4}, "HybridShard");
+  }
 }

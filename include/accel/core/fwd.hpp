@@ -15,10 +15,7 @@ class Trainer;
 namespace strategy {
 class SingleProcessEngine;  // strategy/single_process.hpp
 class DDPEngine;            // strategy/ddp.hpp
-template <int Stage>
-class ZeROEngine;           // strategy/zero.hpp: stages 1 and 2
-class ZeRO3Engine;          // strategy/zero3.hpp
-class HybridShardEngine;    // strategy/hybrid_shard.hpp
+class ShardedEngine;        // strategy/sharded_engine.hpp: ZeRO<1>, <2>, <3>, HybridShard
 template <class Data>
 class ParallelEngine;       // strategy/parallel.hpp
 }  // namespace strategy

@@ -177,9 +177,10 @@ struct ZeRO {
   bool reshard_after_forward = true;
 
   static constexpr int stage = Stage;
-  /// Stages 1 and 2 keep the whole model (strategy/zero.hpp); stage 3 is
-  /// another engine (strategy/zero3.hpp), never the other's code.
-  using engine = std::conditional_t<Stage == 3, strategy::ZeRO3Engine, strategy::ZeROEngine<Stage>>;
+  /// Every stage is the one sharded engine (strategy/sharded_engine.hpp), set
+  /// by the stage's choices: gradients sharded from stage 2, parameters freed
+  /// between uses at stage 3 (a field added here is copied in its sharded_settings).
+  using engine = strategy::ShardedEngine;
   static constexpr bool distributed = true;
 };
 
@@ -192,7 +193,7 @@ struct HybridShard {
   ZeRO<3> zero{};
   int shard_group_size = 0;
 
-  using engine = strategy::HybridShardEngine;
+  using engine = strategy::ShardedEngine;  // with a replicate group
   static constexpr bool distributed = true;
 };
 

@@ -15,12 +15,12 @@
 // On a CPU device the twins are plain host copies: the same code path, which
 // is how it is tested without a GPU, at the cost of one more shard in memory.
 //
-// A layer under every sharded stage (ShardedEngineBase holds it): ZeRO-1/2,
-// ZeRO-3 and HybridShard call the same five operations at the same points of
-// their step (shards made, gradients reduced, step taken, checkpoint loaded,
-// gradients zeroed) with their device shards, whose .grad are the reduced
-// gradient shards; without cpu_offload each operation does nothing (attach
-// makes no twins, and the others loop over the twins).
+// A layer of the sharded engine (ShardedEngine holds it): every stage and
+// HybridShard calls the same five operations at the same points of its step
+// (shards made, gradients reduced, step taken, checkpoint loaded, gradients
+// zeroed) with its device shards, whose .grad are the reduced gradient
+// shards; without cpu_offload each operation does nothing (attach makes no
+// twins, and the others loop over the twins).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -28,7 +28,6 @@
 #include "accel/strategy/engine.hpp"
 #include "accel/strategy/ddp.hpp"
 #include "accel/strategy/zero.hpp"
-#include "accel/strategy/zero3.hpp"
 
 namespace accel::strategy {
 
