@@ -65,6 +65,8 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <malloc.h>  // mallinfo2
+
 #include <accel/accel.hpp>
 #include <accel/device/allocation_counter.hpp>
 #include <accel/device/host_memory.hpp>

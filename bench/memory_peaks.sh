@@ -60,6 +60,13 @@ in_flight_buckets() {
     b = 4 * $1; if (b + prev > pair) pair = b + prev; prev = b } END { printf "%.0f", pair }'
 }
 
+# bytes of the largest gradient bucket (fp32) of the run OUT: under ZeRO-3 its largest unit (a unit's
+# parameters of one optimizer group are one bucket)
+largest_bucket() {
+  grep -o "BUCKETS .*" "$1" | head -1 | grep -o "numels=[0-9,]*" | cut -d= -f2 | tr ',' '\n' |
+    awk '$1 > m { m = $1 } END { printf "%.0f", 4 * m }'
+}
+
 echo "widths $widths, Adam, batch 64 per rank; MiB per rank (worst rank)"
 fmt='%-6s %-10s %11s %11s %8s %8s %9s %8s %11s %8s %8s %11s %6s\n'
 printf "$fmt" ranks strategy model_state activations baseline expected allocated resident vs_expected uncached returned \
@@ -79,8 +86,7 @@ for n in $ranks_list; do
     # step has in flight at once: in backward, the computing layer's parameters and gradients, the next
     # layer's prefetched parameters and the previous layer's gradients while they are reduce-scattered,
     # four times the largest layer (the pool measured 72.2 MiB on 2 ranks against these 64)
-    [[ "$s" == zero3* ]] && state=$((state + 4 * 4 * $(echo "$widths" | tr ',' '\n' |
-      awk 'NR > 1 { n = prev * $1 + $1; if (n > m) m = n } { prev = $1 } END { print m }')))
+    [[ "$s" == zero3* ]] && state=$((state + 4 * $(largest_bucket "$log/$s")))
     # ZeRO-2: its full gradient buckets exist only within backward (NOTE [Gradient buckets]), at most
     # two at once, neighbours: the one filling and the one reduce-scattered (the rule of ZeRO-3's
     # gradients in accel::estimate::step_buffers; Gloo's receive buffer of the launched one is not counted)
