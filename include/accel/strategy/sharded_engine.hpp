@@ -227,9 +227,9 @@ ShardedSettings sharded_settings(const ZeRO<Stage>& z) {
   return out;
 }
 
-inline int shard_group_size_for(std::optional<int> requested, int world) {
-  const int size = requested.value_or(world) > 0 ? requested.value_or(world)
-                                                 : comm::world_from_environment().local_world_size;
+// HybridShard's shard group: `requested` ranks, or (0) one machine's.
+inline int shard_group_size_for(int requested, int world) {
+  const int size = requested > 0 ? requested : comm::world_from_environment().local_world_size;
   if (size < 1 || world % size != 0)
     throw std::invalid_argument("accel HybridShard: shard groups of " + std::to_string(size) +
                                 " ranks do not divide the world size " + std::to_string(world));
@@ -251,7 +251,7 @@ inline std::pair<comm::Communicator, comm::Communicator> hybrid_groups(const com
 inline std::optional<std::pair<comm::Communicator, comm::Communicator>> sharding_groups(const ShardedSettings& settings,
                                                                                        const comm::Communicator& world) {
   if (!settings.shard_group_size) return std::nullopt;
-  return hybrid_groups(world, shard_group_size_for(settings.shard_group_size, world.size()));
+  return hybrid_groups(world, shard_group_size_for(*settings.shard_group_size, world.size()));
 }
 
 inline BucketSettings bucket_settings(const ShardedSettings& s, int shard_group_size) {
@@ -375,8 +375,8 @@ ACCEL_COMPILED_ONCE void ShardedEngine::prepare_optimizer(torch::optim::Optimize
     throw std::logic_error("accel ZeRO: prepare the optimizer before its first step (its state would be lost)");
   auto& groups = optimizer.param_groups();
   auto group_of = [&](const at::Tensor& p) { return optimizer_group_of(groups, p); };
-  std::vector<std::string> unit_names;
   if (units_) {
+    std::vector<std::string> unit_names;
     std::vector<std::int64_t> numels;
     for (const auto& p : s.params) numels.push_back(p.numel());
     const auto& z = settings_.zero;
