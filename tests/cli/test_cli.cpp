@@ -466,6 +466,44 @@ TEST_CASE("launch: a rank killed by a signal is named with the signal") {
   CHECK(contains(r.err, "was killed by signal 9 (Killed); terminated the other ranks"));
 }
 
+// The flight_recorder job test once missed "rank 0: failed in" under load:
+// the launcher asked rank 0 for its record the moment rank 1 died, rank 0
+// answered before its own collective with rank 1 had failed, and was stopped
+// before it wrote the record that names the failure. Here rank 0 is an
+// accel-like rank: it answers SIGUSR1 with a record of a completed collective,
+// and one second after its peer dies it writes its own record, naming the
+// collective that failed, and exits 1, as a rank's failed all-reduce does.
+TEST_CASE("launch: after a rank dies, the survivors' own records of the failure are awaited before they are asked") {
+  TempDir dir;
+  auto record = [](const char* state) {
+    return nlohmann::json{{"rank", 0}, {"pid", 1}, {"written_s", 2.0},
+                          {"entries", {{{"group", "world"}, {"sequence", 7}, {"point_to_point", false},
+                                        {"op", "allreduce"}, {"what", "gradient bucket 0"}, {"bytes", 64},
+                                        {"issued_s", 1.0}, {"ended_s", 1.5}, {"state", state}}}}}
+        .dump();
+  };
+  write_file(dir.file("completed.json"), record("completed"));
+  write_file(dir.file("failed.json"), record("failed"));
+  // A record goes into place by rename, as FlightRecorder::dump writes it.
+  const std::string put = "cp " + dir.file("%s.json") + " \"$ACCEL_FLIGHT_RECORDER_DIR/tmp\" && mv \"$ACCEL_FLIGHT_RECORDER_DIR/tmp\" \"$ACCEL_FLIGHT_RECORDER_DIR/rank_0.json\"";
+  auto put_record = [&](const std::string& which) {
+    std::string command = put;
+    command.replace(command.find("%s"), 2, which);
+    return command;
+  };
+  const std::string script =
+      "if [ \"$RANK\" = 0 ]; then trap '" + put_record("completed") + "' USR1; touch " + dir.file("ready") +
+      "; sleep 1 & while ! wait $!; do :; done; " + put_record("failed") + "; exit 1; fi; "
+      "while [ ! -e " + dir.file("ready") + " ]; do sleep 0.05; done; kill -9 $$";
+  auto r = launch_sh({"--num_processes", "2"}, script, dir);
+  INFO(r);
+  REQUIRE(r.exited);
+  CHECK(r.status == 1);
+  CHECK(contains(r.err, "was killed by signal 9 (Killed)"));
+  CHECK(contains(r.err, "rank 0: failed in allreduce #7 (gradient bucket 0)"));
+  CHECK(contains(r.err, "no record from rank 1"));
+}
+
 TEST_CASE("launch: --timeout kills a job that does not finish") {
   TempDir dir;
   auto r = run_accel({"launch", "--timeout", "0.5", "--num_processes", "2", "sh", "-c", "sleep 60"}, dir);

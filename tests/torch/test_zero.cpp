@@ -523,4 +523,44 @@ TEST_SUITE("zero") {
     check(units, {true, true, 4}, "ZeRO<3>");
     check(accel::HybridShard{.zero = units, .shard_group_size = 1}, {true, true, 4}, "HybridShard");
   }
+  TEST_CASE("a parameter without gradient: the error names it and the setting, spelled for the user's tag") {
+    struct TwoHeads : torch::nn::Module {  // the loss never reaches `unused`
+      TwoHeads() {
+        at::manual_seed(0);
+        body = register_module("body", torch::nn::Linear(7, 8));
+        used = register_module("used", torch::nn::Linear(8, 5));
+        unused = register_module("unused", torch::nn::Linear(8, 5));
+      }
+      torch::nn::Linear body{nullptr}, used{nullptr}, unused{nullptr};
+    };
+    auto step = [](auto strategy) {
+      auto model = std::make_shared<TwoHeads>();
+      torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+      accel::Trainer<decltype(strategy)> trainer(strategy);
+      trainer.prepare(model, opt);
+      auto batch = odd_batch(0, 4);
+      trainer.step([&] { return torch::nn::functional::cross_entropy(model->used(model->body(batch.x).tanh()), batch.y); });
+    };
+    auto refused = [&](auto strategy, const std::string& spelling) {
+      CAPTURE(spelling);
+      try {
+        step(strategy);
+        FAIL("a parameter without gradient must be an error");
+      } catch (const std::runtime_error& e) {
+        const std::string text = e.what();
+        CAPTURE(text);
+        CHECK(text.find("'unused.") != std::string::npos);
+        CHECK(text.find("use " + spelling) != std::string::npos);
+      }
+    };
+    refused(accel::ZeRO<1>{}, "ZeRO<1>{.find_unused_parameters = true}");
+    refused(accel::ZeRO<2>{}, "ZeRO<2>{.find_unused_parameters = true}");
+    refused(accel::ZeRO<3>{}, "ZeRO<3>{.find_unused_parameters = true}");
+    refused(accel::HybridShard{.shard_group_size = 1}, "HybridShard{.zero = {.find_unused_parameters = true}}");
+    // Spelled as the error says, each one steps.
+    CHECK_NOTHROW(step(accel::ZeRO<1>{.find_unused_parameters = true}));
+    CHECK_NOTHROW(step(accel::ZeRO<2>{.find_unused_parameters = true}));
+    CHECK_NOTHROW(step(accel::ZeRO<3>{.find_unused_parameters = true}));
+    CHECK_NOTHROW(step(accel::HybridShard{.zero = {.find_unused_parameters = true}, .shard_group_size = 1}));
+  }
 }

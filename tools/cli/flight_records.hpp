@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +53,31 @@ class FlightRecords {
     std::error_code ignored;
     for (const auto& entry : std::filesystem::directory_iterator(dir_, ignored))
       if (entry.path().filename().string().rfind("rank_", 0) == 0) std::filesystem::remove(entry.path(), ignored);
+  }
+
+  /// The records of the ranks still running (`ranks`), just before they are
+  /// stopped. After a rank died, the others' collectives with it fail within
+  /// moments, and a rank whose collective failed writes its own record, with
+  /// that failure, before it exits. Asked at once, a survivor could answer
+  /// before its collective failed and be stopped before it wrote again: its
+  /// record would show it computing or waiting (the CI saw this under load).
+  /// So after a failure each rank that can answer first gets `patience` to
+  /// write its own record or to end; those still silent are asked then. After
+  /// a timeout nobody is going to fail first: every rank is asked at once.
+  void collect(const std::vector<std::pair<int, pid_t>>& ranks, bool after_failure,
+               const std::function<void(int)>& idle, std::chrono::milliseconds patience) const {
+    if (dir_.empty()) return;
+    std::vector<std::pair<int, pid_t>> silent = ranks;
+    if (after_failure) {
+      std::erase_if(silent, [](const auto& rank_pid) { return !catches_sigusr1(rank_pid.second); });
+      const auto until = std::chrono::steady_clock::now() + patience;
+      for (;;) {
+        std::erase_if(silent, [&](const auto& rank_pid) { return has_record(rank_pid.first) || has_ended(rank_pid.second); });
+        if (silent.empty() || std::chrono::steady_clock::now() >= until) break;
+        idle(20);
+      }
+    }
+    request(silent, idle);
   }
 
   /// Asks each running rank that catches SIGUSR1 (an accel program with
@@ -119,6 +145,19 @@ class FlightRecords {
         return (mask >> (SIGUSR1 - 1)) & 1u;
       }
     return false;
+  }
+
+  bool has_record(int rank) const {
+    std::error_code error;
+    return std::filesystem::exists(dir_ / ("rank_" + std::to_string(rank) + ".json"), error);
+  }
+
+  // Whether `pid` has ended: gone, or a zombie the supervisor has not reaped yet.
+  static bool has_ended(pid_t pid) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const auto close_paren = text.rfind(')');  // the name in parentheses may hold anything
+    return close_paren == std::string::npos || close_paren + 2 >= text.size() || text[close_paren + 2] == 'Z';
   }
 
   std::filesystem::path dir_;

@@ -207,8 +207,8 @@ inline Attempt run_attempt(const JobPlan& plan, const std::string& executable, c
   auto idle = [&](int ms) { pump.pump(ms); };
   auto stop = [&] { return !start_error.empty() || stop_signal != 0; };
   // A rank failed or the job ran out of time: the others' records first (not when asked to stop).
-  supervisor.set_before_terminate([&](const std::vector<std::pair<int, pid_t>>& running) {
-    if (stop_signal == 0 && start_error.empty()) records.request(running, idle);
+  supervisor.set_before_terminate([&](const std::vector<std::pair<int, pid_t>>& running, const launch::JobOutcome& why) {
+    if (stop_signal == 0 && start_error.empty()) records.collect(running, why.first_failure.has_value(), idle, grace);
   });
   attempt.outcome = supervisor.wait(timeout, grace, idle, stop);
   pump.drain(std::chrono::milliseconds(1000));

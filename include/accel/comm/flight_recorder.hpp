@@ -11,9 +11,11 @@
 // when the process receives SIGUSR1: the handler only raises a flag, which
 // the heartbeat thread (comm/liveness.hpp) sees within a period and writes
 // the file, so a rank blocked in a collective still answers. `accel launch`
-// sends SIGUSR1 to every rank when one fails or the job runs past --timeout,
-// then reads the files and prints summarize(): per group, which ranks are in
-// the newest collective, since when, and which never entered it.
+// sends SIGUSR1 to every rank when the job runs past --timeout, and when one
+// fails to every rank that has not written its own record of the failure
+// within the stop grace (cli/flight_records.hpp), then reads the files and
+// prints summarize(): per group, which ranks are in the newest collective,
+// since when, and which never entered it.
 
 #include <signal.h>
 #include <unistd.h>

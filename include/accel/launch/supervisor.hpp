@@ -107,9 +107,11 @@ class ProcessSupervisor {
     poll_interval_ = interval < std::chrono::milliseconds(1) ? std::chrono::milliseconds(1) : interval;
   }
 
-  /// Called with the ranks still running (rank, pid) just before they are
-  /// terminated: `accel launch` asks them for their flight records there.
-  void set_before_terminate(std::function<void(const std::vector<std::pair<int, pid_t>>&)> hook) {
+  /// Called with the ranks still running (rank, pid) and why they are being
+  /// stopped (a failure, the timeout, a stop request) just before they are
+  /// terminated: `accel launch` collects their flight records there.
+  using BeforeTerminate = std::function<void(const std::vector<std::pair<int, pid_t>>&, const JobOutcome&)>;
+  void set_before_terminate(BeforeTerminate hook) {
     before_terminate_ = std::move(hook);
   }
 
@@ -186,7 +188,7 @@ class ProcessSupervisor {
     if (before_terminate_) {
       std::vector<std::pair<int, pid_t>> ranks;
       for (const auto& child : running_) ranks.emplace_back(child.rank, child.pid);
-      before_terminate_(ranks);
+      before_terminate_(ranks, outcome);
     }
     for (const auto& child : running_) ::kill(-child.pid, SIGTERM);
     const auto kill_at = Clock::now() + grace;
@@ -219,7 +221,7 @@ class ProcessSupervisor {
 
   std::vector<Child> running_;
   std::chrono::milliseconds poll_interval_{50};
-  std::function<void(const std::vector<std::pair<int, pid_t>>&)> before_terminate_;
+  BeforeTerminate before_terminate_;
 };
 
 /// A TCP port on the loopback interface that was free a moment ago (the

@@ -70,6 +70,9 @@ struct BucketSettings {
   bool static_graph = false;
   std::int64_t pad_to_multiple = 1;  ///< ZeRO pads each bucket so it splits evenly over the ranks
   const char* strategy_name = "DDP";
+  /// How the user turns find_unused_parameters on, for the error that asks
+  /// for it; null: "<strategy_name>{.find_unused_parameters = true}".
+  const char* find_unused_parameters_spelling = nullptr;
   /// false: no size caps, a bucket per unit and group (ZeRO-3).
   bool size_capped = true;
   /// ZeRO-2/3: a bucket's full-size gradients exist only from its first
@@ -536,7 +539,9 @@ ACCEL_COMPILED_ONCE void detail::GradientBuckets::check_all_ready() {
       reset();
       throw std::runtime_error(where() + ": parameter '" + names[i] +
                                "' received no gradient in this step; if some parameters are unused in a step, "
-                               "use " + settings.strategy_name + "{.find_unused_parameters = true}");
+                               "use " + (settings.find_unused_parameters_spelling
+                                             ? std::string(settings.find_unused_parameters_spelling)
+                                             : std::string(settings.strategy_name) + "{.find_unused_parameters = true}"));
     }
 }
 

@@ -260,6 +260,9 @@ inline BucketSettings bucket_settings(const ShardedSettings& s, int shard_group_
                         .find_unused_parameters = s.zero.find_unused_parameters,
                         .pad_to_multiple = shard_group_size,
                         .strategy_name = s.strategy_name,
+                        // A replicate group is HybridShard's, whose ZeRO settings are a member.
+                        .find_unused_parameters_spelling =
+                            s.shard_group_size ? "HybridShard{.zero = {.find_unused_parameters = true}}" : nullptr,
                         // ZeRO-3's buckets are its units (by optimizer group), whatever their size.
                         .size_capped = !s.free_parameters,
                         .lazy_gradients = s.shard_gradients,
