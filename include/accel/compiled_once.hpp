@@ -43,3 +43,4 @@
 #include "accel/strategy/zero.hpp"
 #include "accel/strategy/zero3.hpp"
 #include "accel/tracking/trackers.hpp"
+#include "accel/trainer_base.hpp"

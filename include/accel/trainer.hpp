@@ -11,8 +11,6 @@
 //     trainer.step([&] { return loss_fn(model(batch.data), batch.target); });
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/full.h>
 #include <torch/serialize.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -22,41 +20,29 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <algorithm>
-#include <chrono>
 #include <filesystem>
 #include <functional>
 #include <concepts>
-#include <iostream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
-#include "accel/checkpoint/files.hpp"
 #include "accel/checkpoint/accelerate_state.hpp"
 #include "accel/checkpoint/save_model.hpp"
 #include "accel/checkpoint/state.hpp"
 #include "accel/comm/communicator.hpp"
 #include "accel/comm/environment.hpp"
-#include "accel/comm/objects.hpp"
-#include "accel/comm/rank_order.hpp"
 #include "accel/core/concepts.hpp"
 #include "accel/core/errors.hpp"
 #include "accel/core/policies.hpp"
 #include "accel/core/rules.hpp"
-#include "accel/data/iterable.hpp"
 #include "accel/data/loader.hpp"
-#include "accel/data/split.hpp"
-#include "accel/data/torch_dataset.hpp"
 #include "accel/device/device.hpp"
-#include "accel/device/host_block_cache.hpp"
-#include "accel/device/host_memory.hpp"
 #include "accel/device/out_of_memory.hpp"
-#include "accel/device/random_state.hpp"
 #include "accel/launch/settings.hpp"
 #include "accel/precision/autocast.hpp"
 #include "accel/precision/loss_scaling.hpp"
@@ -65,58 +51,9 @@
 #include "accel/strategy/gradient_norm.hpp"
 #include "accel/strategy/memory.hpp"
 #include "accel/strategy/single_process.hpp"  // the default strategy's; the others come with their headers
-#include "accel/tracking/progress.hpp"
-#include "accel/tracking/trackers.hpp"
+#include "accel/trainer_base.hpp"
 
 namespace accel {
-
-using data::LoaderOptions;
-using data::Sharding;
-
-/// Settings of the run rather than of a policy.
-struct TrainerOptions {
-  /// Every collective (and the rendezvous) fails after this long instead of
-  /// hanging; c10d's own default is 30 minutes.
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  /// Micro-batches per optimizer step. Unset: ACCELERATE_GRADIENT_ACCUMULATION_STEPS
-  /// (what `accel launch --gradient_accumulation_steps` sets), else 1.
-  std::optional<int> gradient_accumulation_steps{};
-  /// Where `save_state()` without a directory writes: project_dir/checkpoints/checkpoint_<n>.
-  std::filesystem::path project_dir = ".";
-  /// Keep at most this many automatically named checkpoints (0: keep all).
-  int total_limit = 0;
-  /// Before each collective the ranks check that they agree on it, and every
-  /// rank raises comm::CollectiveMismatch with each rank's view where they do
-  /// not (NOTE [Debug mode] in comm/checked_group.hpp). Unset:
-  /// ACCELERATE_DEBUG_MODE (what `accel launch --debug` sets), else off.
-  std::optional<bool> debug{};
-  /// Accelerate's GradientAccumulationPlugin(sync_with_dataloader): the last
-  /// batch of a prepared loader's epoch also synchronises and steps (and
-  /// starts a new accumulation cycle), so no gradients carry over into the
-  /// next epoch. Off: only every gradient_accumulation_steps-th micro-step.
-  bool sync_with_dataloader = true;
-  /// Accelerate's log_with: the built-in trackers init_trackers starts
-  /// ("jsonl", "csv", "tensorboard", "all"; empty: "jsonl"), writing to
-  /// project_dir/<project> (NOTE at the top of <accel/tracking/trackers.hpp>).
-  std::vector<std::string> log_with{};
-  /// On the CPU device, freed host blocks over 1 MiB go back to the system
-  /// (NOTE [Returning host memory] in <accel/device/host_memory.hpp>), so the
-  /// resident set follows what the strategy holds, for the price of fresh
-  /// pages each step (ZeRO-3 measured 1.8x slower per step, DDP 2%). The
-  /// default, cache_host_memory, gets the same resident set without that cost.
-  bool return_host_memory = false;
-  /// On the CPU device, host blocks of 128 KiB or more are kept when freed and
-  /// reused by the next request they fit, process-wide, under LibTorch's own
-  /// CPU allocator (NOTE [Host blocks kept for reuse] in
-  /// <accel/device/host_block_cache.hpp>): the resident set follows what the
-  /// strategy holds, with no fresh pages per step. return_host_memory wins
-  /// over it.
-  bool cache_host_memory = true;
-  /// Accelerate's step_scheduler_with_optimizer: the prepared scheduler
-  /// steps once per data rank at each optimizer step (Accelerate's rule: its
-  /// schedule counts per-process batches). Off: once per optimizer step.
-  bool step_scheduler_with_optimizer = true;
-};
 
 namespace detail {
 
@@ -201,7 +138,7 @@ inline bool built_on_meta(const torch::nn::Module& model) {
 }  // namespace detail
 
 template <class Strategy = SingleProcess, class Precision = FP32, class Device = CPU>
-class Trainer : private detail::check_policies<Strategy, Precision, Device> {
+class Trainer : private detail::check_policies<Strategy, Precision, Device>, public TrainerBase {
  public:
   using strategy_type = Strategy;
   using precision_type = Precision;
@@ -217,20 +154,9 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
                 "<accel/strategy/engine.hpp>)");
 
   explicit Trainer(Strategy strategy = {}, Precision precision = {}, Device device = {}, TrainerOptions options = {})
-      : strategy_(launch::with_launcher_fsdp_settings(strategy)),
-        precision_(precision),
-        options_(options),
-        world_(comm::world_from_environment()),
-        device_(device::traits<Device>::resolve(world_)),
-        host_cache_(device_.is_cpu() && options_.cache_host_memory && !options_.return_host_memory),
-        comm_(connect(strategy_, world_, options_)),
-        scaling_(precision),
-        accumulation_steps_(launch::accumulation_steps(options.gradient_accumulation_steps)) {
+      : Trainer(Resolved{}, launch::with_launcher_fsdp_settings(strategy), precision, comm::world_from_environment(),
+                std::move(options)) {
     (void)device;
-    add_engine();  // the first model's, there from the start (the mesh's groups are the engine's)
-    if (device_.is_cpu() && options_.return_host_memory) device::return_freed_host_memory();
-    launch::check_launcher_settings<Strategy, Precision>();
-    (void)tracking::built_in_trackers(options_.log_with);  // a misspelt name fails here, not at init_trackers
   }
   explicit Trainer(TrainerOptions options) : Trainer(Strategy{}, Precision{}, Device{}, options) {}
   Trainer(Strategy strategy, TrainerOptions options) : Trainer(strategy, Precision{}, Device{}, options) {}
@@ -263,64 +189,8 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     (prepare_scheduler_if<Objects>(objects), ...);
   }
 
-  /// This rank's shard of `dataset`, batched (Accelerate's prepared
-  /// DataLoader: data::Sharding). `dataset` is accel's (TensorDataset, or
-  /// anything with size() and get(indices)) or LibTorch's own
-  /// (torch::data, with its .map(...) chains: <accel/data/torch_dataset.hpp>).
-  template <class Dataset>
-    requires(data::batched_dataset<Dataset> || data::torch_dataset<Dataset>)
-  auto prepare(Dataset dataset, LoaderOptions options) {
-    return make_loader(std::move(dataset), options, {});
-  }
-
-  /// This rank's share of an iterable (streaming) dataset, a range of
-  /// examples read from its begin() each pass: every rank reads the stream
-  /// and keeps its batch of each group of ranks x batch_size samples, as
-  /// Accelerate's IterableDatasetShard (<accel/data/iterable.hpp>).
-  template <data::iterable_dataset Range>
-  data::IterableLoader<Range> prepare(Range range, LoaderOptions options) {
-    auto& group = data_group();
-    split_batches_ = split_batches_ || options.split_batches;
-    return data::IterableLoader<Range>(std::move(range), options, group.size(), group.rank(), device_, cursor_,
-                                       register_loader());
-  }
-
-  /// The same with a LibTorch sampler (torch::data::samplers::Sampler<>:
-  /// SequentialSampler, RandomSampler, your own) giving each epoch's order,
-  /// which the loader deals out to the ranks in batches as Accelerate's
-  /// BatchSamplerShard does. RandomSampler draws with options.seed + epoch,
-  /// the same on every rank (data::epoch_order_of).
-  template <class Dataset, data::torch_sampler Sampler>
-    requires(data::batched_dataset<Dataset> || data::torch_dataset<Dataset>)
-  auto prepare(Dataset dataset, LoaderOptions options, Sampler sampler) {
-    refuse_shuffle_with_sampler(options);
-    const auto size = dataset_size(dataset);
-    return make_loader(std::move(dataset), options, data::epoch_order_of(std::move(sampler), size, options.seed,
-                                                                               static_cast<std::size_t>(options.batch_size)));
-  }
-
-  /// The same with a LibTorch batch sampler, whose batches keep their own
-  /// sizes (Python's DataLoader(batch_sampler=...)): wrap it,
-  /// `prepare(dataset, {.even_batches = ...}, accel::data::batch_sampler(sampler))`.
-  /// Batch i goes whole to data rank i mod N, as Accelerate's
-  /// BatchSamplerShard deals a batch sampler's batches: the last round is
-  /// filled with the epoch's first batches (even_batches; gather_for_metrics
-  /// drops them), or left short (even_batches = false: the ranks past the
-  /// last batch run an empty one), or dropped (drop_last). Positions and
-  /// checkpoints count batches. `options.batch_size` is what the sampler is
-  /// asked for; split_batches is refused, as Accelerate refuses it.
-  template <class Dataset, data::torch_sampler Sampler>
-    requires(data::batched_dataset<Dataset> || data::torch_dataset<Dataset>)
-  auto prepare(Dataset dataset, LoaderOptions options, data::BatchSampler<Sampler> sampler) {
-    refuse_shuffle_with_sampler(options);
-    if (options.split_batches)
-      throw std::invalid_argument("accel: split_batches splits batches of one known size; a batch sampler's batches "
-                                  "have their own sizes and are dealt to the ranks whole (Accelerate refuses it too)");
-    const auto size = dataset_size(dataset);
-    return make_loader(std::move(dataset), options, {},
-                       data::epoch_batches_of(std::move(sampler.sampler), size, options.seed,
-                                              static_cast<std::size_t>(options.batch_size)));
-  }
+  // Datasets, samplers and iterables: TrainerBase::prepare.
+  using TrainerBase::prepare;
 
   // ------------------------------------------------------------ the step
   /// One micro-step: runs `forward` under autocast, then backward; on the
@@ -366,20 +236,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     if (!sequential_)
       throw std::logic_error("accel: step(inputs, targets, loss_fn) needs a prepared torch::nn::Sequential");
     return step([&] { return loss_fn(sequential_->forward(inputs), targets); }).template item<double>();
-  }
-
-  /// The ranks that read different data: the mesh's data group under
-  /// Parallel<>, every rank otherwise.
-  comm::Communicator& data_group() {
-    auto* group = engine().data_group();
-    return group != nullptr ? *group : comm_;
-  }
-
-  /// The group a model's tensor-parallel layers (accel::nn) communicate
-  /// over: the mesh's tensor dimension under Parallel<>, one rank otherwise.
-  comm::Communicator& tensor_group() {
-    auto* group = engine().tensor_group();
-    return group != nullptr ? *group : solo_;
   }
 
   /// RAII scope of one micro-step, Accelerate's `with accelerator.accumulate(model)`:
@@ -472,13 +328,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// after each, as Accelerate's AcceleratedOptimizer.step does.
   void optimizer_step(torch::optim::Optimizer& optimizer) { step_optimizer(index_of(optimizer)); }
 
-  /// How many times the prepared scheduler steps per optimizer step
-  /// (Accelerate's AcceleratedScheduler rule).
-  int scheduler_steps_per_optimizer_step() {
-    if (!options_.step_scheduler_with_optimizer || split_batches_) return 1;
-    return data_group().size();
-  }
-
   /// Zeroes the gradients of every prepared optimizer's models (on a
   /// synchronising micro-step; elsewhere they keep accumulating).
   void zero_grad() {
@@ -502,9 +351,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// Accelerate's `optimizer_step_was_skipped`: the last step found an
   /// inf/NaN gradient (FP16) and was skipped on every rank.
   bool optimizer_step_was_skipped() const { return step_was_skipped_; }
-  /// Optimizer steps taken (skipped ones included): the training step count
-  /// (with several optimizers, the first prepared one's steps).
-  std::int64_t completed_steps() const { return counters_.optimizer_steps; }
   /// The FP16 loss scale (1 for the other precisions).
   double loss_scale() const { return scaling_.scale(); }
 
@@ -542,117 +388,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     return precision::AutocastScope<Precision>(device_.type());
   }
 
-  // ------------------------------------------------------------ collectives
-  /// Every rank's `tensor` concatenated along dimension 0, in rank order.
-  /// (Under Parallel<>, over the data group: tensor and pipeline peers hold
-  /// the same samples, which would otherwise be gathered twice.)
-  at::Tensor gather(const at::Tensor& tensor) {
-    auto& group = data_group();
-    if (!group.distributed()) return tensor;
-    return at::cat(group.all_gather(tensor, "gather"), 0);
-  }
-
-  /// Like gather, but drops the samples the sampler repeated to even out the
-  /// ranks, so that a metric over the result counts every sample once.
-  /// `tensor`'s first dimension must be the current batch of the most
-  /// recently iterated prepared loader.
-  at::Tensor gather_for_metrics(const at::Tensor& tensor) {
-    auto& group = data_group();
-    if (!group.distributed()) return tensor;
-    const auto& cursor = *cursor_;
-    if (cursor.sampler != nullptr && !cursor.sampler->even()) {  // batches may differ in size
-      auto parts = comm::all_gather_rows(group, tensor, "gather_for_metrics");
-      // A batch sampler's last round filled with its first batches: those go (the rest pads nothing).
-      if (cursor.sampler->batched())
-        for (int r = 0; r < group.size(); ++r)
-          if (!cursor.sampler->real_batch(r, cursor.batch)) parts[r] = parts[r].narrow(0, 0, 0);
-      return at::cat(parts, 0);
-    }
-    auto parts = group.all_gather(tensor, "gather_for_metrics");
-    if (tensor.size(0) != cursor.count) return at::cat(parts, 0);
-    for (int r = 0; r < group.size(); ++r) {
-      if (cursor.sampler != nullptr)
-        parts[r] = parts[r].narrow(0, 0, cursor.sampler->real_in(r, cursor.first, cursor.count));
-      else if (cursor.real_in_step >= 0)  // an iterable loader's last batch, filled from the stream's head
-        parts[r] = parts[r].narrow(0, 0, std::clamp<std::int64_t>(cursor.real_in_step - r * cursor.count, 0, cursor.count));
-    }
-    return at::cat(parts, 0);
-  }
-
-  /// Sum, mean (as floating point) or element-wise maximum of `tensor` over
-  /// ranks (Accelerate's reduce with "sum", "mean", "max"); the input is
-  /// left untouched. Over the same ranks as gather: under Parallel<> tensor
-  /// and pipeline peers hold the same samples, and a sum over the world
-  /// would count each of them once per peer.
-  at::Tensor reduce(const at::Tensor& tensor, const std::string& op = "sum") {
-    if (op != "sum" && op != "mean" && op != "max")
-      throw std::invalid_argument("accel: reduce op must be \"sum\", \"mean\" or \"max\", got \"" + op + "\"");
-    at::Tensor out = tensor.clone();
-    auto& group = data_group();
-    if (op == "max") {
-      group.all_reduce_max(out, "reduce(max)");
-      return out;
-    }
-    group.all_reduce(out, "reduce(" + op + ")");
-    return op == "mean" ? out.div(group.size()) : out;
-  }
-
-  /// Every rank's `object` in rank order (Accelerate's gather_object), over
-  /// the same ranks as gather. `T`: anything nlohmann::json converts both
-  /// ways (strings, numbers, vectors and maps of them, your own types with
-  /// to_json/from_json).
-  template <class T>
-  std::vector<T> gather_object(const T& object) {
-    return comm::gather_object(data_group(), object);
-  }
-  /// A vector is gathered as Accelerate gathers a list: the ranks' vectors
-  /// concatenated in rank order ([0] and [1] give [0, 1]).
-  template <class T>
-  std::vector<T> gather_object(const std::vector<T>& objects) {
-    std::vector<T> out;
-    for (auto& part : comm::gather_object(data_group(), objects))
-      out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
-    return out;
-  }
-
-  /// Accelerate's split_between_processes: this rank's contiguous share of
-  /// `inputs`, which every rank holds whole (a std::vector, a std::map of
-  /// equally long vectors or tensors, a tensor along dimension 0, or a
-  /// dataset, as a data::Subset); the first ranks take one more where it
-  /// does not divide. apply_padding pads every share to the longest with the
-  /// last item. Over the data ranks (tensor and pipeline peers get the same
-  /// share). A value, not Accelerate's `with` block.
-  template <class Inputs>
-  auto split_between_processes(Inputs inputs, bool apply_padding = false) {
-    auto& group = data_group();
-    return data::split_between_processes(std::move(inputs), group.rank(), group.size(), apply_padding);
-  }
-
-  /// Accelerate's skip_first_batches: `loader`'s next pass starts `count`
-  /// batches into its epoch; returns the loader.
-  template <class Dataset>
-  data::DataLoader<Dataset>& skip_first_batches(data::DataLoader<Dataset>& loader, std::int64_t count) {
-    return loader.skip_first_batches(count);
-  }
-
-  /// Accelerate's synchronize_rng_states: every rank's CPU generator (and
-  /// its GPU's, on CUDA) set to rank 0's state, e.g. before drawing the same
-  /// random augmentation or noise everywhere. A collective.
-  void synchronize_rng_states() {
-    auto states = device::random_states(device_);
-    for (std::size_t i = 0; i < states.size(); ++i)
-      comm_.broadcast(states[i], 0, "synchronize_rng_states (generator " + std::to_string(i) + ")");
-    device::restore_random_states(device_, states);
-  }
-
-  /// `tensor` padded with `pad_value` along `dim` to the largest size any
-  /// rank has there (at the start with `pad_first`), so that ragged
-  /// per-rank results can be gathered (Accelerate's pad_across_processes).
-  at::Tensor pad_across_processes(const at::Tensor& tensor, std::int64_t dim = 0, double pad_value = 0,
-                                  bool pad_first = false) {
-    return comm::pad_across_processes(data_group(), tensor, dim, pad_value, pad_first);
-  }
-
   /// Accelerate's find_executable_batch_size: calls `attempt(batch_size)`
   /// from `starting_batch_size`, and after an out-of-memory error on any
   /// rank calls it again on every rank at 90% of the size, until it runs;
@@ -668,8 +403,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     return device::find_executable_batch_size(comm_, starting_batch_size, std::forward<Attempt>(attempt), release,
                                               reduce_batch_size);
   }
-
-  void wait_for_everyone() { comm_.barrier(); }
 
   /// Accelerate's free_memory: forgets every prepared model, optimizer,
   /// scheduler, loader and registered object, takes the strategy's hooks off
@@ -689,92 +422,12 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
     optimizers_.clear();
     orphan_schedulers_.clear();
     sequential_ = torch::nn::Sequential(nullptr);
-    custom_.clear();
-    loader_positions_.clear();
-    *cursor_ = data::LoaderCursor{};
-    counters_ = {};
+    forget_prepared_data();
     scaling_ = precision::LossScaling<Precision>(precision_);
     sync_gradients_ = true;
-    local_gradients_ = sync_next_backward_ = autocast_seen_ = split_batches_ = step_was_skipped_ = false;
+    local_gradients_ = sync_next_backward_ = autocast_seen_ = step_was_skipped_ = false;
     if constexpr (std::is_same_v<Device, CUDA>) compat::cuda_empty_cache();
   }
-
-  /// Accelerate's main_process_first: the block holding the returned object
-  /// runs on the main process before the others (which wait at its start);
-  /// every rank must enter it.
-  ///   { auto first = trainer.main_process_first(); build_cache(); }
-  [[nodiscard]] comm::GoesFirst main_process_first() { return {comm_, is_main_process()}; }
-  /// The same with each machine's local main process first.
-  [[nodiscard]] comm::GoesFirst local_main_process_first() { return {comm_, is_local_main_process()}; }
-  /// Runs `fn` on the main process only (Accelerate's on_main_process).
-  template <class F>
-  void on_main_process(F&& fn) const {
-    if (is_main_process()) std::forward<F>(fn)();
-  }
-  template <class F>
-  void on_local_main_process(F&& fn) const {
-    if (is_local_main_process()) std::forward<F>(fn)();
-  }
-  /// Runs `fn` on the process of rank `process_index` only (Accelerate's on_process).
-  template <class F>
-  void on_process(int process_index, F&& fn) const {
-    if (process_index < 0 || process_index >= num_processes())
-      throw std::invalid_argument("accel: on_process(" + std::to_string(process_index) + ") with " +
-                                  std::to_string(num_processes()) + " processes");
-    if (world_.rank == process_index) std::forward<F>(fn)();
-  }
-  /// Runs `fn` on the last process only (Accelerate's on_last_process).
-  template <class F>
-  void on_last_process(F&& fn) const {
-    if (is_last_process()) std::forward<F>(fn)();
-  }
-  // ------------------------------------------------------------ trackers and progress
-  /// Starts the trackers (TrainerOptions::log_with, plus any of your own
-  /// meeting accel::tracking::tracker) on the main process, in
-  /// project_dir/`project`, and stores `config` with each (Accelerate's
-  /// init_trackers). The other ranks keep none; every call below is then a
-  /// no-op there, so the loop needs no `if (is_main_process())`. (Compiled
-  /// once, a config or log values need <nlohmann/json.hpp>: core/json.hpp.)
-  template <tracking::tracker... Custom>
-  void init_trackers(const std::string& project, const nlohmann::json& config, Custom... custom) {
-    std::vector<tracking::AnyTracker> mine;
-    (mine.emplace_back(std::move(custom)), ...);
-    start_trackers(project, &config, std::move(mine));
-  }
-  /// The same with an empty configuration and the built-in trackers only.
-  void init_trackers(const std::string& project) { start_trackers(project, nullptr, {}); }
-  /// Hands `values` (a JSON object: numbers, strings, nested objects) to
-  /// every tracker at `step` (default: the optimizer steps taken so far).
-  void log(const nlohmann::json& values, std::optional<std::int64_t> step = std::nullopt) {
-    if (!trackers_initialised_)  // on every rank alike, so a missing init_trackers is found on a 1-rank run too
-      throw std::logic_error("accel: log() before init_trackers(): start the trackers first");
-    if (!is_main_process()) return;
-    trackers_.log(values, step.value_or(completed_steps()));
-  }
-  /// Finishes every tracker (Accelerate's end_training).
-  void end_training() { trackers_.finish(); }
-  /// The running tracker of type T (a built-in one such as
-  /// tracking::TensorBoardTracker, or your own); nullptr if none, and on
-  /// every rank but the main process.
-  template <class T>
-  T* get_tracker() {
-    return trackers_.template get<T>();
-  }
-
-  /// A tqdm-style progress bar (steps, rate, ETA, last loss) drawn on the
-  /// main process only, and only where stdout is a terminal:
-  ///   auto bar = trainer.progress_bar(loader.size(), {.description = "epoch 1"});
-  ///   ... bar.update(1, loss.item<double>());
-  tracking::ProgressBar progress_bar(std::int64_t total, tracking::ProgressOptions options = {}) const {
-    options.disable = options.disable || !is_main_process();
-    return tracking::ProgressBar(total, std::move(options));
-  }
-
-  /// Accelerate's set_trigger / check_trigger: any rank raises the flag, and
-  /// every rank's next check_trigger() (a collective: all ranks call it at
-  /// the same point) returns true, e.g. to stop every rank on a NaN loss.
-  void set_trigger() { trigger_.set(); }
-  bool check_trigger() { return trigger_.check(comm_); }
 
   /// What this rank holds now: distinct storages of the prepared models'
   /// parameters, of every gradient (the model's and the optimizer's, shared
@@ -848,19 +501,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// Saves to options.project_dir/checkpoints/checkpoint_<n> (n counts up),
   /// keeping the newest `total_limit`; returns the directory.
   std::filesystem::path save_state() {
-    const auto root = options_.project_dir / "checkpoints";
-    auto existing = checkpoint::numbered_checkpoints(root);
-    const long next = existing.empty() ? 0 : existing.back().first + 1;
-    const auto dir = root / ("checkpoint_" + std::to_string(next));
-    save_state(dir);
-    existing.emplace_back(next, dir);
-    if (is_main_process() && options_.total_limit > 0)
-      while (static_cast<int>(existing.size()) > options_.total_limit) {
-        std::filesystem::remove_all(existing.front().second);
-        existing.erase(existing.begin());
-      }
-    wait_for_everyone();
-    return dir;
+    return save_numbered_state([this](const std::filesystem::path& dir) { save_state(dir); });
   }
 
   /// Restores a checkpoint written by save_state, on any number of ranks for
@@ -883,63 +524,28 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   /// chooses, so every rank loads the same one. Call it where load_state
   /// would go: after preparing the models, optimizers and loaders.
   std::optional<std::filesystem::path> load_latest_state() {
-    const auto root = options_.project_dir / "checkpoints";
-    at::Tensor chosen = at::full({1}, -1, at::TensorOptions().dtype(at::kLong));
-    if (is_main_process())
-      if (auto newest = checkpoint::newest_complete_checkpoint(root)) chosen.fill_(newest->first);
-    comm_.broadcast(chosen, 0, "which checkpoint to resume from");
-    const long number = chosen.template item<long>();
-    if (number < 0) return std::nullopt;
-    const auto dir = root / ("checkpoint_" + std::to_string(number));
-    load_state(dir);
+    auto dir = checkpoint_to_resume();
+    if (dir) load_state(*dir);
     return dir;
-  }
-
-  /// Saves `object` (anything with `save(OutputArchive&)` and
-  /// `load(InputArchive&)`: a module, an optimizer, ...) with every checkpoint.
-  template <class T>
-    requires requires(T& t, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
-      t.save(out);
-      t.load(in);
-    }
-  void register_for_checkpointing(T& object) {
-    custom_.push_back({[&object](torch::serialize::OutputArchive& a) { object.save(a); },
-                       [&object](torch::serialize::InputArchive& a) { object.load(a); }});
-  }
-
-  // ------------------------------------------------------------ who am I
-  at::Device device() const { return device_; }
-  int process_index() const { return world_.rank; }
-  int local_process_index() const { return world_.local_rank; }
-  int num_processes() const { return world_.world_size; }
-  bool is_main_process() const { return world_.rank == 0; }
-  bool is_local_main_process() const { return world_.local_rank == 0; }
-  bool is_last_process() const { return world_.rank == world_.world_size - 1; }
-
-  /// Prints on the main process only (one line, space-separated).
-  template <class... Args>
-  void print(const Args&... args) const {
-    if (!is_main_process()) return;
-    std::ostringstream line;
-    ((line << args << ' '), ...);
-    std::string text = line.str();
-    if (!text.empty()) text.back() = '\n';
-    std::cout << text << std::flush;
-  }
-
-  /// Seeds LibTorch's generators; `device_specific` adds the rank, as in
-  /// Accelerate's set_seed.
-  void set_seed(std::uint64_t seed, bool device_specific = false) const {
-    at::manual_seed(seed + (device_specific ? static_cast<std::uint64_t>(process_index()) : 0));
   }
 
   // ------------------------------------------------------------ internals, for tests and benchmarks
   /// The engine of the i-th prepared model.
   engine_type& strategy_engine(std::size_t model = 0) { return *engines_.at(model); }
-  comm::Communicator& communicator() { return comm_; }
-  const TrainerOptions& options() const { return options_; }
 
  private:
+  struct Resolved {};  // the strategy with the launcher's settings, the world from the environment
+  Trainer(Resolved, Strategy strategy, Precision precision, comm::WorldInfo world, TrainerOptions options)
+      : TrainerBase(std::move(options), world, device::traits<Device>::resolve(world),
+                    [&strategy](const comm::WorldInfo& w, const TrainerOptions& o) { return connect(strategy, w, o); }),
+        strategy_(strategy),
+        precision_(precision),
+        scaling_(precision),
+        accumulation_steps_(launch::accumulation_steps(options_.gradient_accumulation_steps)) {
+    add_engine();  // the first model's, there from the start (the mesh's groups are the engine's)
+    launch::check_launcher_settings<Strategy, Precision>();
+  }
+
   static comm::Communicator connect(const Strategy& strategy, const comm::WorldInfo& world,
                                     const TrainerOptions& options) {
     engine_type::check_world(strategy, world.world_size);
@@ -955,38 +561,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
       comm.set_debug(launch::debug_mode(options.debug));
       return comm;
     }
-  }
-
-  template <class Dataset>
-  auto make_loader(Dataset dataset, LoaderOptions options, data::EpochOrder order, data::EpochBatches batches = {}) {
-    if constexpr (data::torch_dataset<Dataset>) {
-      return make_loader(data::TorchDataset<Dataset>(std::move(dataset)), options, std::move(order), std::move(batches));
-    } else {
-      split_batches_ = split_batches_ || options.split_batches;
-      // Tensor and pipeline peers read the same samples: shard over the data group.
-      auto& group = data_group();
-      return data::DataLoader<Dataset>(std::move(dataset), options, group.size(), group.rank(), device_, cursor_,
-                                       register_loader(), std::move(order), std::move(batches));
-    }
-  }
-
-  static void refuse_shuffle_with_sampler(const LoaderOptions& options) {
-    if (options.shuffle)
-      throw std::invalid_argument("accel: a loader with a sampler cannot also shuffle (the sampler gives the order, "
-                                  "as in PyTorch's DataLoader): drop .shuffle, or use a RandomSampler");
-  }
-
-  template <class Dataset>
-  static std::size_t dataset_size(const Dataset& dataset) {
-    if constexpr (data::torch_dataset<Dataset>) return dataset.size().value_or(0);
-    else return static_cast<std::size_t>(dataset.size());
-  }
-
-  // A new loader's position, which checkpoints save and restore.
-  std::shared_ptr<data::LoaderPosition> register_loader() {
-    auto position = std::make_shared<data::LoaderPosition>();
-    loader_positions_.push_back(position);
-    return position;
   }
 
   // NOTE [Several models]
@@ -1005,6 +579,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   void add_engine() {
     engines_.push_back(std::make_unique<engine_type>(strategy_, comm_));
     synchronized_.push_back(false);
+    if (engines_.size() == 1) use_groups(engines_.front()->data_group(), engines_.front()->tensor_group());
   }
 
   // The first model's engine: the one that holds the mesh and the pipeline.
@@ -1264,14 +839,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   }
   CheckpointView checkpoint_view() { return CheckpointView(*this); }
 
-  void start_trackers(const std::string& project, const nlohmann::json* config,
-                      std::vector<tracking::AnyTracker> custom) {
-    trackers_initialised_ = true;
-    if (!is_main_process()) return;
-    if (config != nullptr) trackers_.start(options_.log_with, options_.project_dir, project, *config, std::move(custom));
-    else trackers_.start(options_.log_with, options_.project_dir, project, std::move(custom));
-  }
-
   struct PreparedOptimizer {
     torch::optim::Optimizer* optimizer = nullptr;
     std::vector<std::size_t> engines;  // the models it steps
@@ -1287,12 +854,6 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
 
   Strategy strategy_;
   Precision precision_;
-  TrainerOptions options_;
-  comm::WorldInfo world_;
-  at::Device device_;
-  device::HostBlockCacheUse host_cache_;  // before the engines, whose buffers go back to it
-  comm::Communicator comm_;
-  comm::Trigger trigger_;
   std::vector<std::unique_ptr<engine_type>> engines_;  // engines_[i] trains models_[i]; [0] exists from the start
   std::vector<char> synchronized_;                     // per engine: its last backward's gradients waited for
   std::vector<char> reached_;                          // per engine: reached by the backward being run
@@ -1303,19 +864,11 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device> {
   bool local_gradients_ = false;  // a no_sync() backward since the last synchronising one
   bool sync_next_backward_ = false;
   mutable bool autocast_seen_ = false;  // an autocast() scope opened since the last optimizer step
-  bool split_batches_ = false;          // a prepared loader splits the global batch: the scheduler steps once
   bool step_was_skipped_ = false;
-  checkpoint::StepCounters counters_;
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
   std::vector<PreparedOptimizer> optimizers_;
   std::vector<torch::optim::LRScheduler*> orphan_schedulers_;  // prepared before their optimizer
   torch::nn::Sequential sequential_{nullptr};
-  comm::Communicator solo_;  // the one-rank tensor group of strategies without tensor parallelism
-  std::vector<checkpoint::CustomObject> custom_;
-  std::vector<std::weak_ptr<data::LoaderPosition>> loader_positions_;
-  std::shared_ptr<data::LoaderCursor> cursor_ = std::make_shared<data::LoaderCursor>();
-  tracking::Trackers trackers_;  // started on the main process only
-  bool trackers_initialised_ = false;
 };
 
 }  // namespace accel

@@ -53,9 +53,10 @@ torch::nn::Sequential model_for(Trainer& trainer) {
 
 // What the cross-rank toolbox must give under any strategy: results over the
 // data group (`data` ranks reading different samples; under Parallel<> the
-// tensor and pipeline peers read the same ones and count once).
-template <class Trainer>
-void toolbox_over_the_data_group(Trainer& trainer, int data) {
+// tensor and pipeline peers read the same ones and count once). An ordinary
+// function of accel::TrainerBase: every Trainer<...> is one, and the toolbox
+// is compiled once (trainer_base.hpp), not per Trainer type.
+void toolbox_over_the_data_group(accel::TrainerBase& trainer, int data) {
   auto& group = trainer.data_group();
   require(group.size() == data, "the data group has " + std::to_string(group.size()) + " ranks, " +
                                     std::to_string(data) + " expected");
@@ -336,6 +337,7 @@ TEST_SUITE("matrix") {
       toolbox_over_the_data_group(trainer, 1);
     }
     auto toolbox = [](int data) { return [data](auto& trainer) { toolbox_over_the_data_group(trainer, data); }; };
+    on_ranks(2, accel::DDP{}, toolbox(2));
     on_ranks(3, accel::ZeRO<1>{}, toolbox(3));
     on_ranks(2, accel::ZeRO<2>{}, toolbox(2));
     on_ranks(3, accel::ZeRO<3>{}, toolbox(3));
