@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from launched import wait_for_ranks
@@ -30,31 +31,57 @@ parser.add_argument("--mlp", required=True)
 args = parser.parse_args()
 
 
-def launch(timeout):
-    command = [args.accel, "launch", "--num_processes", "2", "--timeout", str(timeout), args.mlp,
-               "--epochs", "1000", "--samples", "8192", "--hidden", "256"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+class Job:
+    """`accel launch` of the MLP on 2 ranks, both outputs read as they come:
+    `training` is set once rank 0 says it trains (its process group is up,
+    the model prepared), which a fixed sleep after the ranks start cannot
+    promise on a machine whose LibTorch loads slowly."""
+
+    def __init__(self, timeout):
+        command = [args.accel, "launch", "--num_processes", "2", "--timeout", str(timeout), args.mlp,
+                   "--epochs", "1000", "--samples", "8192", "--hidden", "256"]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.training = threading.Event()
+        self.err = []
+        self.readers = [threading.Thread(target=self.read_out), threading.Thread(target=self.read_err)]
+        for reader in self.readers:
+            reader.start()
+
+    def read_out(self):
+        for line in self.process.stdout:
+            if "training on" in line:
+                self.training.set()
+
+    def read_err(self):
+        self.err.extend(self.process.stderr)
+
+    def finish(self, seconds):
+        self.process.wait(timeout=seconds)
+        for reader in self.readers:
+            reader.join()
+        return self.process.returncode, "".join(self.err)
 
 
 failures = []
 for name, sig, timeout, must in [
     # Training all-reduces or evaluation all-gathers: the moment decides which.
-    ("stopped", signal.SIGSTOP, 10, ["flight recorder", "group world: newest collective #", "rank 0: waiting in ",
+    ("stopped", signal.SIGSTOP, 20, ["flight recorder", "group world: newest collective #", "rank 0: waiting in ",
                                      "no record from rank 1"]),
     ("killed", signal.SIGKILL, 60, ["flight recorder", "rank 0: failed in ", "no record from rank 1"]),
 ]:
-    job = launch(timeout)
-    ranks = wait_for_ranks(job)
-    if not ranks:
-        sys.exit(f"{name}: the ranks did not start")
-    time.sleep(3)  # training by now
+    job = Job(timeout)
+    ranks = wait_for_ranks(job.process)
+    if not ranks or not job.training.wait(60):
+        job.process.kill()
+        sys.exit(f"{name}: the ranks did not start training within a minute:\n{''.join(job.err)}")
+    time.sleep(2)  # some steps into training
 
     os.kill(ranks[1], sig)
-    _, err = job.communicate(timeout=120)
+    returncode, err = job.finish(120)
     missing = [m for m in must if m not in err]
-    print(f"{name}: exit {job.returncode}, {'all expected lines' if not missing else 'missing ' + str(missing)}")
-    if missing or job.returncode == 0:
-        failures.append(f"{name}: exit {job.returncode}, missing {missing}:\n{err}")
+    print(f"{name}: exit {returncode}, {'all expected lines' if not missing else 'missing ' + str(missing)}")
+    if missing or returncode == 0:
+        failures.append(f"{name}: exit {returncode}, missing {missing}:\n{err}")
     else:
         print(err[err.find("accel launch: the ranks' last collectives"):])
 
