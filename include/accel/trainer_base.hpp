@@ -121,9 +121,8 @@ class TrainerBase {
   template <data::iterable_dataset Range>
   data::IterableLoader<Range> prepare(Range range, LoaderOptions options) {
     auto& group = data_group();
-    split_batches_ = split_batches_ || options.split_batches;
     return data::IterableLoader<Range>(std::move(range), options, group.size(), group.rank(), device_, cursor_,
-                                       register_loader());
+                                       register_loader(options));
   }
 
   /// The same with a LibTorch sampler (torch::data::samplers::Sampler<>:
@@ -370,7 +369,8 @@ class TrainerBase {
         device_(device),
         host_cache_(device_.is_cpu() && options_.cache_host_memory && !options_.return_host_memory),
         comm_(std::forward<Connect>(connect)(world_, options_)) {
-    check_options();
+    apply_host_memory_option();
+    check_tracker_names();
   }
   ~TrainerBase() = default;  // not deleted through a base pointer: a Trainer owns its engines
 
@@ -407,11 +407,10 @@ class TrainerBase {
     if constexpr (data::torch_dataset<Dataset>) {
       return make_loader(data::TorchDataset<Dataset>(std::move(dataset)), options, std::move(order), std::move(batches));
     } else {
-      split_batches_ = split_batches_ || options.split_batches;
       // Tensor and pipeline peers read the same samples: shard over the data group.
       auto& group = data_group();
       return data::DataLoader<Dataset>(std::move(dataset), options, group.size(), group.rank(), device_, cursor_,
-                                       register_loader(), std::move(order), std::move(batches));
+                                       register_loader(options), std::move(order), std::move(batches));
     }
   }
 
@@ -424,9 +423,11 @@ class TrainerBase {
   ACCEL_COMPILED_ONCE static void refuse_shuffle_with_sampler(const LoaderOptions& options);
   ACCEL_COMPILED_ONCE static void refuse_split_batches_with_batch_sampler(const LoaderOptions& options);
   ACCEL_COMPILED_ONCE void require_process_index(int process_index) const;
-  // A new loader's position, which checkpoints save and restore.
-  ACCEL_COMPILED_ONCE std::shared_ptr<data::LoaderPosition> register_loader();
-  ACCEL_COMPILED_ONCE void check_options();
+  // A new loader's position, which checkpoints save and restore; a loader that splits the global
+  // batch makes the scheduler step once per optimizer step.
+  ACCEL_COMPILED_ONCE std::shared_ptr<data::LoaderPosition> register_loader(const LoaderOptions& options);
+  ACCEL_COMPILED_ONCE void apply_host_memory_option();
+  ACCEL_COMPILED_ONCE void check_tracker_names() const;
   ACCEL_COMPILED_ONCE void start_trackers(const std::string& project, const nlohmann::json* config,
                                           std::vector<tracking::AnyTracker> custom);
 
@@ -562,14 +563,18 @@ ACCEL_COMPILED_ONCE void TrainerBase::require_process_index(int process_index) c
                                 std::to_string(num_processes()) + " processes");
 }
 
-ACCEL_COMPILED_ONCE std::shared_ptr<data::LoaderPosition> TrainerBase::register_loader() {
+ACCEL_COMPILED_ONCE std::shared_ptr<data::LoaderPosition> TrainerBase::register_loader(const LoaderOptions& options) {
+  split_batches_ = split_batches_ || options.split_batches;
   auto position = std::make_shared<data::LoaderPosition>();
   loader_positions_.push_back(position);
   return position;
 }
 
-ACCEL_COMPILED_ONCE void TrainerBase::check_options() {
+ACCEL_COMPILED_ONCE void TrainerBase::apply_host_memory_option() {
   if (device_.is_cpu() && options_.return_host_memory) device::return_freed_host_memory();
+}
+
+ACCEL_COMPILED_ONCE void TrainerBase::check_tracker_names() const {
   (void)tracking::built_in_trackers(options_.log_with);  // a misspelt name fails here, not at init_trackers
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sort.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -150,6 +151,41 @@ TEST_SUITE("ddp") {
           require(trainer.reduce(mine).equal(at::ones({2}) * 3), "reduce sums");
           require(trainer.reduce(mine, "mean").equal(at::ones({2})), "reduce averages");
           trainer.wait_for_everyone();
+        },
+        bounded());
+  }
+
+  TEST_CASE("prepare's broadcast: rank 0's state in chunks of the cap, a larger tensor alone, dtypes apart") {
+    accel::spawn(
+        2,
+        [](int rank) {
+          accel::Trainer<accel::DDP> trainer;
+          // weight 0: 800 bytes, over the 300-byte cap (alone, in place); the rest in chunks;
+          // BatchNorm's step count (int64) a group of its own
+          torch::nn::Sequential net(torch::nn::Linear(20, 10), torch::nn::Linear(10, 6), torch::nn::Linear(6, 2),
+                                    torch::nn::BatchNorm1d(2));
+          auto state = [&] {
+            std::vector<at::Tensor> all = net->parameters();
+            for (auto& b : net->buffers()) all.push_back(b);
+            return all;
+          };
+          // Each rank its own values; rank 0's are (i + 1) * (0, 1, 2, ...).
+          auto expected = [](const at::Tensor& t, std::size_t i) {
+            return (at::arange(t.numel(), t.options()) * static_cast<std::int64_t>(i + 1)).view(t.sizes());
+          };
+          {
+            c10::NoGradGuard no_grad;
+            auto all = state();
+            for (std::size_t i = 0; i < all.size(); ++i) all[i].copy_(expected(all[i], i) + rank * 1000);
+          }
+          const auto before = accel::comm::process_traffic();
+          accel::strategy::detail::broadcast_module_state(*net, trainer.data_group(), "test broadcast", 300);
+          const auto all = state();
+          for (std::size_t i = 0; i < all.size(); ++i)
+            require(all[i].equal(expected(all[i], i)), "tensor " + std::to_string(i) + " is rank 0's");
+          // 12 float tensors (weights 800, 240, 48 bytes; biases 40, 24, 8; BatchNorm's 4 of 8) and one int64:
+          // [w0] alone, [b0 w1], [b1 w2 b2 gamma beta mean var], [count]
+          require((accel::comm::process_traffic() - before).calls_of(accel::comm::Collective::broadcast) == 4, "four broadcasts");
         },
         bounded());
   }

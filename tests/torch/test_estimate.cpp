@@ -189,6 +189,42 @@ RealMemory real_memory(const Strategy& strategy) {
   return m;
 }
 
+// An optimizer of the user's own (heavy-ball momentum), whose per-element
+// state type LibTorch does not know: model_state_bytes reads it through the
+// state's own serialisation.
+struct HeavyBallState : torch::optim::OptimizerCloneableParamState<HeavyBallState> {
+  at::Tensor velocity;
+  void serialize(torch::serialize::OutputArchive& archive) const override { archive.write("velocity", velocity, true); }
+  void serialize(torch::serialize::InputArchive& archive) override { archive.read("velocity", velocity, true); }
+};
+struct HeavyBallOptions : torch::optim::OptimizerCloneableOptions<HeavyBallOptions> {
+  double lr = 0.1;
+  double get_lr() const override { return lr; }
+  void set_lr(const double value) override { lr = value; }
+};
+class HeavyBall : public torch::optim::Optimizer {
+ public:
+  explicit HeavyBall(std::vector<at::Tensor> params)
+      : Optimizer({torch::optim::OptimizerParamGroup(std::move(params))}, std::make_unique<HeavyBallOptions>()) {}
+  at::Tensor step(LossClosure = nullptr) override {
+    c10::NoGradGuard no_grad;
+    for (auto& group : param_groups())
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto& slot = state()[accel::compat::optimizer_state_key(*this, p)];
+        if (!slot) {
+          auto fresh = std::make_unique<HeavyBallState>();
+          fresh->velocity = at::zeros_like(p);
+          slot = std::move(fresh);
+        }
+        auto& velocity = static_cast<HeavyBallState&>(*slot).velocity;
+        velocity.mul_(0.9).add_(p.grad());
+        p.sub_(velocity, 0.1);
+      }
+    return {};
+  }
+};
+
 }  // namespace
 
 TEST_SUITE("estimate") {
@@ -267,6 +303,40 @@ TEST_SUITE("estimate") {
                      4, "HybridShard");
         },
         bounded(std::chrono::seconds(120)));
+  }
+
+  TEST_CASE("model state: LibTorch's optimizers' state is counted where it lives (nothing allocated), another "
+            "optimizer's through its own serialisation") {
+    auto params_bytes = [](torch::nn::Sequential& net) {
+      std::int64_t bytes = 0;
+      for (const auto& p : net->parameters()) bytes += p.numel() * p.element_size();
+      return bytes;
+    };
+    {
+      accel::device::HostAllocationCounter counter;
+      accel::Trainer<> trainer;
+      auto net = make_mlp(real_widths);
+      torch::optim::Adam adam(net->parameters());
+      trainer.prepare(net, adam);
+      auto x = at::randn({real_batch, real_widths.front()});
+      auto y = at::randint(real_widths.back(), {real_batch}, at::TensorOptions().dtype(at::kLong));
+      trainer.step([&] { return torch::nn::functional::cross_entropy(net->forward(x), y); });
+      const auto live = counter.live_bytes();
+      counter.reset_peak();
+      const auto state = trainer.model_state_bytes();
+      // Read through a serialisation, Adam's state was copied: a peak of twice the largest weight's bytes.
+      CHECK(counter.peak_bytes() == live);
+      CHECK(state.optimizer_state == 2 * params_bytes(net));
+    }
+    accel::Trainer<> trainer;
+    auto net = make_mlp(odd_widths);
+    HeavyBall optimizer(net->parameters());
+    trainer.prepare(net, optimizer);
+    CHECK(trainer.model_state_bytes().optimizer_state == 0);
+    auto x = at::randn({4, odd_widths.front()});
+    auto y = at::randint(odd_widths.back(), {4}, at::TensorOptions().dtype(at::kLong));
+    trainer.step([&] { return torch::nn::functional::cross_entropy(net->forward(x), y); });
+    CHECK(trainer.model_state_bytes().optimizer_state == params_bytes(net));
   }
 
   TEST_CASE("activations: the formulas fall within 10% of the peak a counting allocator measures (gpt and mlp examples)") {

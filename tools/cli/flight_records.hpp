@@ -94,7 +94,7 @@ class FlightRecords {
     while (!asked.empty() && std::chrono::steady_clock::now() < until) {
       std::erase_if(asked, [&](int rank) {
         std::error_code error;
-        const auto written = std::filesystem::last_write_time(dir_ / ("rank_" + std::to_string(rank) + ".json"), error);
+        const auto written = std::filesystem::last_write_time(record_path(rank), error);
         return !error && written >= asked_at;
       });
       idle(20);
@@ -105,7 +105,7 @@ class FlightRecords {
   /// was in communication (a peer gone, a timeout), which the screen
   /// explains, rather than an error of its own.
   bool failed_in_collective(int rank) const {
-    std::ifstream in(dir_ / ("rank_" + std::to_string(rank) + ".json"));
+    std::ifstream in(record_path(rank));
     if (!in) return false;
     try {
       for (const auto& e : nlohmann::json::parse(in).at("entries"))
@@ -121,7 +121,7 @@ class FlightRecords {
     std::vector<nlohmann::json> records;
     std::error_code ignored;
     for (int rank : expected) {
-      std::ifstream in(dir_ / ("rank_" + std::to_string(rank) + ".json"));
+      std::ifstream in(record_path(rank));
       if (!in) continue;
       try {
         records.push_back(nlohmann::json::parse(in));
@@ -147,9 +147,11 @@ class FlightRecords {
     return false;
   }
 
+  std::filesystem::path record_path(int rank) const { return dir_ / ("rank_" + std::to_string(rank) + ".json"); }
+
   bool has_record(int rank) const {
     std::error_code error;
-    return std::filesystem::exists(dir_ / ("rank_" + std::to_string(rank) + ".json"), error);
+    return std::filesystem::exists(record_path(rank), error);
   }
 
   // Whether `pid` has ended: gone, or a zombie the supervisor has not reaped yet.

@@ -21,10 +21,10 @@
 // use at once (idle ranges over that are unmapped, largest first, before a
 // new mapping), so shapes that keep changing cannot grow it without bound;
 // smaller blocks stay with malloc.
-// Measured (bench/memory_peaks.sh, 2 ranks, 38.8 M parameters): the worst
+// Measured (bench/memory_peaks.sh, 2 and 3 ranks, 38.8 M parameters): the worst
 // rank's resident set falls with the stage (DDP > ZeRO-1 > ZeRO-2 > ZeRO-3),
-// 13-19% above its formula plus the bare process (ZeRO-2's counting its two
-// gradient buckets in flight); steps are 1.03-1.06x as fast as with glibc's
+// 3-16% above its formula plus the bare process (ZeRO-2's counting its two
+// gradient buckets in flight), ZeRO-3 on 3 ranks 22-25% (README "Memory"); steps are 1.03-1.06x as fast as with glibc's
 // heaps (bench/ddp_throughput.cpp --cache_host_memory 0|1). The cache itself
 // held at most 13-66 MiB more than was ever allocated (Stats::most_held),
 // ZeRO-2 the most; how much varies by rank and run (ZeRO-2 with plain SGD,

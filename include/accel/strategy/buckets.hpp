@@ -168,9 +168,14 @@ class GradientBuckets {
   void release_gradients(std::size_t b);
 };
 
-// The root's parameters and buffers on every rank of `group`, one broadcast
-// per dtype and device (a model's state starts equal everywhere).
-void broadcast_module_state(torch::nn::Module& model, comm::Communicator& group, const std::string& what);
+// The root's parameters and buffers on every rank of `group` (a model's state
+// starts equal everywhere): tensors of one dtype and device broadcast together,
+// flattened into chunks of at most `chunk_bytes`, and a larger tensor alone, in
+// place. One flat copy of the whole model doubled it at prepare, which on 3
+// ranks was a ZeRO-3 rank's peak (DDP broadcasts in buckets of 250 MB too).
+inline constexpr std::int64_t kBroadcastChunkBytes = std::int64_t{16} << 20;
+void broadcast_module_state(torch::nn::Module& model, comm::Communicator& group, const std::string& what,
+                            std::int64_t chunk_bytes = kBroadcastChunkBytes);
 
 class ReadyHook final : public compat::PostHook {
  public:
@@ -572,7 +577,8 @@ ACCEL_COMPILED_ONCE void detail::GradientBuckets::release_gradients(std::size_t 
   }
 }
 
-ACCEL_COMPILED_ONCE void detail::broadcast_module_state(torch::nn::Module& model, comm::Communicator& group, const std::string& what) {
+ACCEL_COMPILED_ONCE void detail::broadcast_module_state(torch::nn::Module& model, comm::Communicator& group,
+                                                       const std::string& what, std::int64_t chunk_bytes) {
   if (!group.distributed()) return;
   std::vector<at::Tensor> tensors = model.parameters();
   for (auto& b : model.buffers()) tensors.push_back(b);
@@ -585,17 +591,27 @@ ACCEL_COMPILED_ONCE void detail::broadcast_module_state(torch::nn::Module& model
     if (it == by_dtype.end()) by_dtype.push_back({t});
     else it->push_back(t);
   }
-  for (auto& same_kind : by_dtype) {
-    std::vector<at::Tensor> flat_parts;
-    for (auto& t : same_kind) flat_parts.push_back(t.reshape({-1}));
-    auto flat = at::cat(flat_parts);
-    group.broadcast(flat, 0, what);
-    std::int64_t offset = 0;
-    for (auto& t : same_kind) {
-      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
+  const auto bytes_of = [](const at::Tensor& t) { return t.numel() * static_cast<std::int64_t>(t.element_size()); };
+  for (auto& same_kind : by_dtype)
+    for (std::size_t first = 0, last = 0; first < same_kind.size(); first = last) {
+      std::int64_t bytes = bytes_of(same_kind[first]);
+      for (last = first + 1; last < same_kind.size() && bytes + bytes_of(same_kind[last]) <= chunk_bytes; ++last)
+        bytes += bytes_of(same_kind[last]);
+      if (last == first + 1 && same_kind[first].is_contiguous()) {
+        group.broadcast(same_kind[first], 0, what);
+        continue;
+      }
+      std::vector<at::Tensor> flat_parts;
+      for (std::size_t i = first; i < last; ++i) flat_parts.push_back(same_kind[i].reshape({-1}));
+      auto flat = at::cat(flat_parts);
+      group.broadcast(flat, 0, what);
+      std::int64_t offset = 0;
+      for (std::size_t i = first; i < last; ++i) {
+        auto& t = same_kind[i];
+        t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
     }
-  }
 }
 
 #endif
