@@ -747,6 +747,10 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device>, pub
     if (!step_was_skipped_) {
       o.optimizer->step();
       for (auto i : o.engines) engines_[i]->after_optimizer_step();
+      if (!o.stepped) {
+        o.stepped = true;
+        release_idle_host_blocks();
+      }
       if (o.scheduler != nullptr)
         for (int n = scheduler_steps_per_optimizer_step(); n > 0; --n) {
           o.scheduler->step();
@@ -844,6 +848,7 @@ class Trainer : private detail::check_policies<Strategy, Precision, Device>, pub
     std::vector<std::size_t> engines;  // the models it steps
     torch::optim::LRScheduler* scheduler = nullptr;
     std::int64_t scheduler_steps = 0;
+    bool stepped = false;  // its first step is taken (its state exists)
   };
 
   PreparedOptimizer& require_optimizer(std::size_t k) {

@@ -379,6 +379,10 @@ class TrainerBase {
     data_group_ = data;
     tensor_group_ = tensor;
   }
+  // Once per optimizer, after its first step (NOTE [Host blocks after the first step]).
+  void release_idle_host_blocks() {
+    if (auto* cache = host_cache_.get()) cache->release_idle();
+  }
   // free_memory's share: the loaders, registered objects and counters forgotten.
   ACCEL_COMPILED_ONCE void forget_prepared_data();
   // save_state() without a directory: the next numbered one under project_dir/checkpoints,

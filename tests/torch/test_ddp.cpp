@@ -164,6 +164,7 @@ TEST_SUITE("ddp") {
           // BatchNorm's step count (int64) a group of its own
           torch::nn::Sequential net(torch::nn::Linear(20, 10), torch::nn::Linear(10, 6), torch::nn::Linear(6, 2),
                                     torch::nn::BatchNorm1d(2));
+          net->register_buffer("nothing", at::empty({0}, at::TensorOptions().dtype(at::kDouble)));  // nothing to send
           auto state = [&] {
             std::vector<at::Tensor> all = net->parameters();
             for (auto& b : net->buffers()) all.push_back(b);
@@ -184,7 +185,7 @@ TEST_SUITE("ddp") {
           for (std::size_t i = 0; i < all.size(); ++i)
             require(all[i].equal(expected(all[i], i)), "tensor " + std::to_string(i) + " is rank 0's");
           // 12 float tensors (weights 800, 240, 48 bytes; biases 40, 24, 8; BatchNorm's 4 of 8) and one int64:
-          // [w0] alone, [b0 w1], [b1 w2 b2 gamma beta mean var], [count]
+          // [w0] alone, [b0 w1], [b1 w2 b2 gamma beta mean var], [count]; the empty double buffer not at all
           require((accel::comm::process_traffic() - before).calls_of(accel::comm::Collective::broadcast) == 4, "four broadcasts");
         },
         bounded());

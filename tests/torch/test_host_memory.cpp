@@ -5,6 +5,7 @@
 // Trainer of its process when the suite runs alone (as meson runs it).
 #include <ATen/ops/empty.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <vector>
 
@@ -101,6 +102,37 @@ TEST_SUITE("host_memory") {
     CHECK(after.most_held >= after.most_in_use);
     CHECK(after.most_held >= after.in_use + after.idle);
     CHECK(after.most_held <= 2 * after.most_in_use);
+  }
+
+  TEST_CASE("after an optimizer's first step the Trainer gives the cache's idle ranges back, once per optimizer") {
+    accel::Trainer<accel::SingleProcess> trainer;
+    torch::nn::Linear model(512, 1024), critic(512, 1024);  // 2 MiB weights: the cache's blocks
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD critic_sgd(critic->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    trainer.prepare(model, sgd);
+    trainer.prepare(critic, critic_sgd);
+    const auto* cache = HostBlockCache::installed();
+    REQUIRE(cache != nullptr);
+    const auto x = at::randn({4, 512});
+    // A step of one optimizer, with `idle` bytes freed into the cache before it; the cache's statistics after
+    // optimizer_step() (before anything later frees a block).
+    auto step = [&](torch::nn::Linear& net, torch::optim::Optimizer& optimizer, std::int64_t idle) {
+      host_bytes(idle);  // freed at once: an idle range of the cache
+      REQUIRE(cache->stats().idle >= idle);
+      trainer.backward(net->forward(x).square().mean());
+      trainer.optimizer_step(optimizer);
+      const auto stats = cache->stats();
+      trainer.zero_grad();
+      return stats;
+    };
+    const auto first = step(model, sgd, 8 * kMiB);
+    CHECK(first.idle == 0);  // the momentum buffers exist now; what prepare and the step left idle is gone
+    const auto second = step(model, sgd, 8 * kMiB);
+    CHECK(second.idle >= 4 * kMiB);  // later steps keep their blocks (the 8 MiB, less the new gradient)
+    CHECK(second.unmapped == first.unmapped);
+    const auto critic_first = step(critic, critic_sgd, 8 * kMiB);  // the second optimizer's first step
+    CHECK(critic_first.idle == 0);
+    CHECK(step(critic, critic_sgd, 8 * kMiB).idle >= 4 * kMiB);
   }
 
   TEST_CASE("a CPU Trainer is a user of the cache while it lives, unless cache_host_memory is off or "

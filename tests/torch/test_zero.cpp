@@ -292,6 +292,32 @@ TEST_SUITE("zero") {
         bounded(120s));
   }
 
+  TEST_CASE("at its end (unwrap_model, the Trainer's destructor) ZeRO-3 gathers the whole model into its idle step "
+            "buffers' memory, not on top of it") {
+    // One process: no Gloo thread holds a buffer, so the counter's figures are exact.
+    accel::device::HostAllocationCounter counter;
+    accel::Trainer<accel::ZeRO<3>> trainer(
+        accel::ZeRO<3>{.auto_wrap_policy = accel::AutoWrapPolicy::SIZE_BASED_WRAP, .min_num_params = 1000});
+    auto net = tiny_mlp(0, 32, 64, 10);
+    torch::optim::Adam opt(net->parameters());
+    trainer.prepare(net, opt);
+    auto batch = global_batch(0, 8, 32, 10);
+    for (int step = 0; step < 2; ++step) trainer.step([&] { return loss_of(net, batch.x, batch.y); });
+    const std::int64_t idle = trainer.idle_buffer_bytes();
+    REQUIRE(idle > 0);
+    const std::int64_t before = counter.live_bytes();
+    counter.reset_peak();
+    trainer.unwrap_model();
+    std::int64_t whole = 0;
+    for (const auto& p : net->parameters()) whole += p.numel() * p.element_size();
+    const std::int64_t above = counter.peak_bytes() - before;
+    MESSAGE("idle step buffers " << idle << " B, whole model " << whole << " B, peak above before the gather " << above
+                                 << " B");
+    CHECK(trainer.idle_buffer_bytes() == 0);
+    // Kept, the buffers would stay beside the whole model: the peak would be `whole` above.
+    CHECK(above <= std::max<std::int64_t>(0, whole - idle));
+  }
+
   TEST_CASE("ZeRO-3 reshard_after_forward = false (FSDP2): every unit stays gathered from its forward to its "
             "backward, is freed when its gradients leave, and the result is bitwise that of true") {
     accel::spawn(

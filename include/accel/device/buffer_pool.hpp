@@ -102,6 +102,15 @@ class BufferPool {
     return at::empty({0}, options).set_(storage, 0, {numel}, {1});
   }
 
+  /// Frees the idle blocks now (the pool stays open: later requests take new
+  /// ones). For an engine that ends its steps: the whole model it gathers then
+  /// takes the step buffers' memory instead of adding to it.
+  void release_idle() {
+    std::lock_guard lock(shared_->mutex);
+    shared_->idle_blocks.clear();
+    shared_->idle = 0;
+  }
+
   /// Bytes of the blocks no tensor uses now: what the pool keeps beyond the
   /// tensors that hold its memory (between ZeRO-3 steps, all of it).
   std::int64_t idle_bytes() const {

@@ -597,6 +597,7 @@ ACCEL_COMPILED_ONCE void detail::broadcast_module_state(torch::nn::Module& model
       std::int64_t bytes = bytes_of(same_kind[first]);
       for (last = first + 1; last < same_kind.size() && bytes + bytes_of(same_kind[last]) <= chunk_bytes; ++last)
         bytes += bytes_of(same_kind[last]);
+      if (bytes == 0) continue;  // empty tensors only: nothing to send (every rank skips the same chunk)
       if (last == first + 1 && same_kind[first].is_contiguous()) {
         group.broadcast(same_kind[first], 0, what);
         continue;

@@ -526,6 +526,13 @@ ACCEL_COMPILED_ONCE void ShardedEngine::unshard_permanently() {
     detail::BusyScope busy;
     units_->reshard_all();  // a unit gathered into the pool (mid-step) is gathered again into memory of its own
   }
+  // No step follows (unwrap_model, the destructor): the whole model takes the
+  // idle step buffers' memory instead of adding to it (under the host block
+  // cache, the units fit the ranges they free). Kept, they raised ZeRO-3's
+  // resident peak at the Trainer's end by the units they hold, above its
+  // steps' (bench/memory_peaks.sh, 3 ranks: 555 -> 485 MiB). A checkpoint's
+  // gather keeps them: the next step takes them as they are.
+  if (auto* pool = state_->step_buffers()) pool->release_idle();
   gather_full_parameters();
   stop_observing();
   detached_ = true;
