@@ -14,8 +14,10 @@
 // their tensor frees them. A request takes the smallest idle range that
 // holds it (split: the rest stays idle), and a freed range joins its idle
 // neighbours, so a step's buckets, and later its optimizer's temporaries of
-// other sizes, share the same pages. A step repeats its requests, so after
-// the first one the step takes no fresh pages and calls no allocator, and
+// other sizes, share the same pages. A step repeats its requests, so from
+// the third one on (the trainer gives back what the first left idle, NOTE
+// [Host blocks after the first step], and the second maps what it needs)
+// a step takes no fresh pages and calls no allocator, and
 // the resident set is what was in use at the peak plus what the cache keeps
 // idle. Blocks in use and idle together stay within twice the most ever in
 // use at once (idle ranges over that are unmapped, largest first, before a
