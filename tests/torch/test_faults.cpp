@@ -2,9 +2,11 @@
 // (NOTE [Naming the dead rank]), SIGPIPE that no longer kills a survivor
 // silently, debug mode's check that the ranks agree on each collective
 // (NOTE [Debug mode]), main_process_first, on_main_process,
-// set_trigger/check_trigger.
+// set_trigger/check_trigger, and leaving the job in order (NOTE [Leaving
+// the job]).
 // Ranks are forked as torchrun or srun would start them (no `accel launch`).
 #include <nlohmann/json.hpp>  // gather_object of JSON values (accel declares it only when compiled once)
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/optim/sgd.h>
 
 #include <csignal>
@@ -81,6 +83,59 @@ TEST_SUITE("faults") {
       REQUIRE(reports_failure(texts[rank]));
       CHECK(texts[rank].find("rank 0 is gone") != std::string::npos);
     }
+  }
+
+  TEST_CASE("leaving the job: rank 0 keeps the store it hosts until the other ranks have left; a rank that threw "
+            "does not wait; a collective with a rank that ended names it as ended") {
+    // Rank 1 works on after rank 0's function returned and then reads the
+    // store: before NOTE [Leaving the job], rank 0's process had ended and
+    // taken the store with it.
+    accel::spawn(
+        2,
+        [](int rank) {
+          { accel::Trainer<accel::DDP> trainer; trainer.wait_for_everyone(); }
+          if (rank == 0) return;
+          std::this_thread::sleep_for(1500ms);
+          c10d::TCPStoreOptions options;
+          options.port = static_cast<std::uint16_t>(std::stoi(std::getenv("MASTER_PORT")));
+          options.timeout = 5s;
+          c10d::TCPStore store("127.0.0.1", options);
+          require(store.check({"accel/left/0"}), "rank 0 said it left, and its store still answers");
+          require(!store.check({"accel/left/1"}), "this rank has not left yet");
+        },
+        bounded(60s));
+
+    // Rank 0 throws while rank 1 is still busy: it leaves without waiting
+    // (a launcher stops the others only once rank 0 has exited).
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(accel::spawn(
+                        2,
+                        [](int rank) {
+                          accel::Trainer<accel::DDP> trainer;
+                          trainer.wait_for_everyone();
+                          if (rank == 0) throw std::runtime_error("rank 0 fails");
+                          std::this_thread::sleep_for(30s);
+                        },
+                        bounded(60s)),
+                    accel::SpawnError);
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(accel::comm::Liveness::longest_leave_wait));
+
+    // Rank 1 ends; rank 0 then calls a collective it cannot complete.
+    const std::string result = temp_path("left");
+    accel::spawn(
+        2,
+        [&](int rank) {
+          accel::Trainer<accel::DDP> trainer(accel::TrainerOptions{.timeout = 5s});
+          trainer.wait_for_everyone();
+          if (rank == 1) return;
+          std::this_thread::sleep_for(500ms);
+          report_collective_failure(result, [&] { trainer.wait_for_everyone(); });
+        },
+        bounded(60s));
+    const std::string text = take_file(result);
+    INFO(text);
+    REQUIRE(reports_failure(text));
+    CHECK(text.find("rank 1 has already ended its program (left the job)") != std::string::npos);
   }
 
   TEST_CASE("a collective the backend refuses at once (int16 on Gloo) is said to be refused, not blamed on a rank that "

@@ -16,6 +16,26 @@
 // would wait out the timeout on the collectives still queued, is left to
 // the operating system at exit (Communicator's group registry), so the
 // rank exits with its error instead of hanging.
+//
+// NOTE [Leaving the job]
+// Rank 0 hosts the store, and every other rank's c10d clients keep threads
+// reading their sockets. If rank 0's process ended while another rank was
+// still working, that rank lost the store under its heartbeat; closing the
+// heartbeat's client then met the reset in LibTorch 1.13's client thread,
+// which throws, and the rank ended in std::terminate (a core dump showed it:
+// about once in 700 runs of a test whose rank 0 finishes first, more often
+// under CI's load). So a rank leaves the job in order, as torchrun's agent
+// keeps the store until every worker ends: it stops its heartbeat, says it
+// left (accel/left/<rank>) and closes its own clients; rank 0 waits until
+// every other rank has left, failed, or gone silent (no heartbeat for
+// `silent_after`), then a moment more, before its store closes. It happens
+// when the job's connection ends (the process's end, or accel::spawn's rank
+// end through core/rank_end.hpp). The wait is bounded by
+// `longest_leave_wait` (or the collective timeout if shorter): a rank 0 that
+// ends on an error while the others wait in a collective for it must not
+// hold them until their timeout, as a launcher stops them only once rank 0
+// has exited. A rank that failed a collective, or that accel::spawn saw
+// throw, does not wait.
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -56,6 +76,12 @@ class Liveness {
   void mark_failed() noexcept;
   bool failed() const { return failed_; }
 
+  /// This rank's program is done with the job (NOTE [Leaving the job]):
+  /// stops the heartbeat, says so in `store`, and on rank 0 waits for the
+  /// others to leave before returning. Once; never throws.
+  void leave(c10d::Store& store, bool wait_for_peers = true) noexcept;
+  static constexpr std::chrono::milliseconds longest_leave_wait{std::chrono::seconds(10)};
+
   /// What a failed collective can say about its peers, e.g. "rank 2 is gone
   /// (its heartbeat stopped: died or froze)", or that every rank is alive
   /// (so one skipped the collective). Takes about 3 periods, 5 when a rank
@@ -67,6 +93,11 @@ class Liveness {
  private:
   static std::string key(int rank) { return "accel/heartbeat/" + std::to_string(rank); }
   static std::string failed_key(int rank) { return "accel/failed/" + std::to_string(rank); }
+  static std::string left_key(int rank) { return "accel/left/" + std::to_string(rank); }
+
+  // A rank neither beating nor leaving for this long was killed or froze: rank 0 stops waiting for it.
+  std::chrono::milliseconds silent_after() const { return 16 * period_; }
+  void wait_for_peers_to_leave(c10d::Store& store) const;
 
   // Rank 0 hosts the store: when a peer died, it waits (5 s at most) for
   // every rank still alive to fail too before it exits with its error, so
@@ -85,7 +116,7 @@ class Liveness {
   void stop() noexcept;
 
   // -1 for a rank that never beat.
-  std::vector<std::int64_t> read_all(c10d::TCPStore& store) const;
+  std::vector<std::int64_t> read_all(c10d::Store& store) const;
 
   // Beats, and writes the flight record when SIGUSR1 asked for it (NOTE
   // [Flight recorder]): this thread runs while the main one is blocked.
@@ -107,6 +138,7 @@ class Liveness {
   std::chrono::milliseconds period_;
   std::shared_ptr<BeatState> beat_state_ = std::make_shared<BeatState>();
   std::atomic<bool> failed_{false};
+  std::atomic<bool> left_{false};
   std::thread beat_;
 };
 
@@ -120,6 +152,48 @@ ACCEL_COMPILED_ONCE void Liveness::mark_failed() noexcept {
     connect(std::chrono::milliseconds(2000))->set(failed_key(rank_), std::vector<std::uint8_t>{'1'});
   } catch (const std::exception&) {
     // The store is gone: diagnose() will say so.
+  }
+}
+
+ACCEL_COMPILED_ONCE void Liveness::leave(c10d::Store& store, bool wait_for_peers) noexcept {
+  if (failed_ || left_.exchange(true)) return;
+  stop();  // no beat after the word that it left
+  try {
+    store.set(left_key(rank_), std::vector<std::uint8_t>{'1'});
+    if (rank_ == 0 && wait_for_peers) wait_for_peers_to_leave(store);
+  } catch (const std::exception&) {
+    // The store is gone: rank 0 died, so there is no one to tell.
+  }
+}
+
+ACCEL_COMPILED_ONCE void Liveness::wait_for_peers_to_leave(c10d::Store& store) const {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto bound = std::min(timeout_, longest_leave_wait);
+  std::vector<int> waiting;
+  for (int r = 1; r < world_size_; ++r) waiting.push_back(r);
+  auto beats = read_all(store);
+  auto read_at = start;
+  std::vector<clock::time_point> moved_at(static_cast<std::size_t>(world_size_), start);
+  while (true) {
+    std::erase_if(waiting, [&](int r) { return store.check({left_key(r)}) || store.check({failed_key(r)}); });
+    const auto now = clock::now();
+    if (now - start >= bound) return;
+    if (waiting.empty()) {
+      // Each rank said it left just before closing its own store clients: a
+      // moment more, so that the store closes after them.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      return;
+    }
+    if (now - read_at >= period_) {
+      const auto latest = read_all(store);
+      for (int r : waiting)
+        if (latest[r] != beats[r]) moved_at[r] = now;
+      beats = latest;
+      read_at = now;
+      std::erase_if(waiting, [&](int r) { return now - moved_at[r] >= silent_after(); });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }
 
@@ -148,11 +222,20 @@ ACCEL_COMPILED_ONCE auto Liveness::diagnose(bool failed_at_once) const noexcept 
       return "every other rank is alive (their heartbeats go on), so one of them did not reach this collective: "
              "it is stuck elsewhere or skipped it (a collective under if (is_main_process()), a different number "
              "of steps or batches)";
-    std::string ranks;
-    for (std::size_t k = 0; k < silent.size(); ++k)
-      ranks += (k == 0 ? "" : k + 1 == silent.size() ? " and " : ", ") + std::to_string(silent[k]);
-    return (silent.size() == 1 ? "rank " + ranks + " is gone (its heartbeat stopped" : "ranks " + ranks +
-                                                                                            " are gone (their heartbeats stopped") +
+    auto listed = [](const std::vector<int>& ranks) {
+      std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+      for (std::size_t k = 0; k < ranks.size(); ++k)
+        text += (k == 0 ? "" : k + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[k]);
+      return text;
+    };
+    std::vector<int> left;  // ended their program in order (NOTE [Leaving the job])
+    for (int r : silent)
+      if (store->check({left_key(r)})) left.push_back(r);
+    if (!left.empty())
+      return listed(left) + (left.size() == 1 ? " has" : " have") +
+             " already ended its program (left the job), so it will not reach this collective: the ranks ran a "
+             "different number of steps or batches, or one returned early";
+    return listed(silent) + (silent.size() == 1 ? " is gone (its heartbeat stopped" : " are gone (their heartbeats stopped") +
            ": died, froze, or the network to it is down)";
   } catch (const std::exception&) {
     return "rank 0 is gone (the rendezvous store it hosts at " + host_ + ":" + std::to_string(port_) +
@@ -192,7 +275,7 @@ ACCEL_COMPILED_ONCE void Liveness::stop() noexcept {
   else beat_.detach();
 }
 
-ACCEL_COMPILED_ONCE auto Liveness::read_all(c10d::TCPStore& store) const -> std::vector<std::int64_t> {
+ACCEL_COMPILED_ONCE auto Liveness::read_all(c10d::Store& store) const -> std::vector<std::int64_t> {
   std::vector<std::int64_t> beats(world_size_, -1);
   for (int r = 0; r < world_size_; ++r)
     if (store.check({key(r)})) beats[r] = store.add(key(r), 0);

@@ -20,6 +20,7 @@
 #include "accel/comm/liveness.hpp"
 #include "accel/compat/torch_compat.hpp"
 #include "accel/core/compiled_once.hpp"
+#include "accel/core/rank_end.hpp"
 
 namespace accel::comm {
 
@@ -34,14 +35,18 @@ struct Connection {
   std::uint64_t sequence = 0;  ///< collectives issued on this group by this process (NOTE [Debug mode])
   std::string name = "world";  ///< in the flight recorder
   std::shared_ptr<Liveness> liveness;  ///< last: its heartbeat stops before the store goes
+  bool is_job = false;                 ///< the job's own connection, not a sub-group's copy: it leaves the job
 
   Connection() = default;
   Connection(const Connection&) = default;
   // Once a collective of the job failed, the backend is left to the
   // operating system: ProcessGroupGloo's destructor would wait for the
   // collectives still queued, each until the timeout (NOTE [Naming the dead rank]).
+  // Otherwise the job's connection leaves the job in order before its
+  // backend and store close (NOTE [Leaving the job]).
   ~Connection() {
     if (liveness && liveness->failed()) (void)backend.release();
+    else if (is_job && liveness && store) liveness->leave(*store);
   }
 };
 
@@ -60,6 +65,14 @@ inline std::chrono::milliseconds rendezvous_timeout(std::chrono::milliseconds ti
 /// and the address when a peer does not arrive within rendezvous_timeout.
 ACCEL_COMPILED_ONCE std::shared_ptr<Connection> connect_job(const WorldInfo& info, const BackendAdapter& adapter,
                                                             std::chrono::milliseconds timeout);
+
+/// Ends this process's part in every job it joined (NOTE [Leaving the job]),
+/// for a process that ends without running static destructors (_exit):
+/// accel::spawn calls it as each rank ends, with `ok` false when the rank
+/// threw (then rank 0 does not wait for the others). A no-op for a job
+/// already left; a connection still held by a Trainer stays usable for
+/// collectives but no longer beats.
+ACCEL_COMPILED_ONCE void leave_jobs(bool ok = true) noexcept;
 
 /// A sub-group of `parent`'s job, this rank being `rank` of `size`, under
 /// `name` (the n-th group of that name this process makes connects under
@@ -93,6 +106,20 @@ ACCEL_COMPILED_ONCE void ignore_sigpipe() {
   if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
 }
 
+// The job connections this process made (one per job and backend).
+struct JobConnections {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<Connection>> list;
+};
+ACCEL_COMPILED_ONCE JobConnections& job_connections() {
+  static JobConnections connections;
+  return connections;
+}
+
+// accel::spawn's ranks end by _exit (core/rank_end.hpp): what a normal end's
+// static destructors do, they do here.
+ACCEL_COMPILED_ONCE void leave_jobs_at_rank_end(bool ok) noexcept { leave_jobs(ok); }
+
 // How many sub-groups of this name this process has made in this job.
 ACCEL_COMPILED_ONCE int next_generation(const std::string& name, const WorldInfo& world) {
   static std::mutex mutex;
@@ -119,8 +146,7 @@ ACCEL_COMPILED_ONCE c10::intrusive_ptr<compat::CollectiveBackend> connect_backen
 // ACCEL_COMPILED_ONCE_DEFINITIONS
 ACCEL_COMPILED_ONCE std::shared_ptr<Connection> connect_job(const WorldInfo& info, const BackendAdapter& adapter,
                                                             std::chrono::milliseconds timeout) {
-  static std::mutex mutex;
-  static std::vector<std::shared_ptr<Connection>> connections;
+  auto& [mutex, connections] = detail::job_connections();
   std::lock_guard<std::mutex> lock(mutex);
   for (auto& c : connections)
     if (c->adapter == &adapter && c->world.rank == info.rank && c->world.world_size == info.world_size &&
@@ -132,6 +158,7 @@ ACCEL_COMPILED_ONCE std::shared_ptr<Connection> connect_job(const WorldInfo& inf
   connection->world = info;
   connection->job = info;
   connection->adapter = &adapter;
+  connection->is_job = true;
   const std::string where = info.master_addr + ":" + std::to_string(info.master_port);
   try {
     c10d::TCPStoreOptions options;
@@ -152,13 +179,23 @@ ACCEL_COMPILED_ONCE std::shared_ptr<Connection> connect_job(const WorldInfo& inf
   connection->liveness =
       std::make_shared<Liveness>(info.master_addr, info.master_port, info.rank, info.world_size, timeout);
   connections.push_back(connection);
+  ::accel::detail::rank_end_hook() = &detail::leave_jobs_at_rank_end;
   return connection;
+}
+
+ACCEL_COMPILED_ONCE void leave_jobs(bool ok) noexcept {
+  auto& [mutex, connections] = detail::job_connections();
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto& c : connections)
+    if (c->liveness && !c->liveness->failed() && c->store) c->liveness->leave(*c->store, ok);
+  connections.clear();
 }
 
 ACCEL_COMPILED_ONCE std::shared_ptr<Connection> connect_subgroup(const Connection& parent, const std::string& name,
                                                                  int rank, int size,
                                                                  std::chrono::milliseconds timeout) {
   auto group = std::make_shared<Connection>(parent);
+  group->is_job = false;
   group->sequence = 0;
   group->world.rank = rank;
   group->world.world_size = size;

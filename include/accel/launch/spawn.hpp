@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "accel/core/rank_end.hpp"
 #include "accel/launch/supervisor.hpp"
 
 namespace accel {
@@ -94,6 +95,7 @@ void spawn(int world_size, Fn&& fn, const SpawnOptions& options = {}) {
         tell_parent("unknown exception");
         code = 1;
       }
+      detail::run_rank_end_hook(code == 0);  // leave the job in order: rank 0 keeps the store until every rank is done
       std::fflush(nullptr);
       ::_exit(code);  // not exit(): the parent's atexit handlers (test runners) must not run here
     }
