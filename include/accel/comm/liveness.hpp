@@ -228,15 +228,20 @@ ACCEL_COMPILED_ONCE auto Liveness::diagnose(bool failed_at_once) const noexcept 
         text += (k == 0 ? "" : k + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[k]);
       return text;
     };
-    std::vector<int> left;  // ended their program in order (NOTE [Leaving the job])
-    for (int r : silent)
-      if (store->check({left_key(r)})) left.push_back(r);
+    std::vector<int> left, gone;  // left: ended their program in order (NOTE [Leaving the job])
+    for (int r : silent) (store->check({left_key(r)}) ? left : gone).push_back(r);
+    std::string text;
     if (!left.empty())
-      return listed(left) + (left.size() == 1 ? " has" : " have") +
-             " already ended its program (left the job), so it will not reach this collective: the ranks ran a "
-             "different number of steps or batches, or one returned early";
-    return listed(silent) + (silent.size() == 1 ? " is gone (its heartbeat stopped" : " are gone (their heartbeats stopped") +
-           ": died, froze, or the network to it is down)";
+      text = listed(left) +
+             (left.size() == 1 ? " has already ended its program (left the job), so it"
+                               : " have already ended their programs (left the job), so they") +
+             " will not reach this collective: the ranks ran a different number of steps or batches, or one "
+             "returned early";
+    if (!gone.empty())
+      text += (text.empty() ? "" : "; ") + listed(gone) +
+              (gone.size() == 1 ? " is gone (its heartbeat stopped" : " are gone (their heartbeats stopped") +
+              ": died, froze, or the network to it is down)";
+    return text;
   } catch (const std::exception&) {
     return "rank 0 is gone (the rendezvous store it hosts at " + host_ + ":" + std::to_string(port_) +
            " does not answer: it died, froze or exited)";
